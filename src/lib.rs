@@ -1,0 +1,15 @@
+//! kube-proxy-rs: a drop-in replacement for Kubernetes' kube-proxy.
+//!
+//! Layout (pure core, thin edges):
+//! - [`manifest`]: reads Kubernetes objects from YAML/JSON files (no I/O beyond reading files).
+//! - [`model`]: Services + EndpointSlices + Node → per-family service ports and endpoint sets,
+//!   exactly as upstream's change trackers and `CategorizeEndpoints` compute them.
+//! - [`config`]: `KubeProxyConfiguration` (v1alpha1) and upstream's flags with their precedence.
+//! - [`iptables`]: the pure `iptables-restore` renderer and the packet tracer over its output.
+#![forbid(unsafe_code)]
+
+pub mod app;
+pub mod config;
+pub mod iptables;
+pub mod manifest;
+pub mod model;

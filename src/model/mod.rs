@@ -1,0 +1,179 @@
+//! The proxy model: what upstream kube-proxy computes from Services, EndpointSlices and the
+//! Node before any dataplane is involved (its service and endpoint change trackers, the
+//! EndpointSlice cache and `CategorizeEndpoints`). Pure functions over data: no I/O, no root.
+//!
+//! Bad input never panics and never poisons other objects: an invalid Service, port, IP or
+//! endpoint is skipped with a warning that names the object and the field.
+
+mod endpoints;
+mod services;
+mod topology;
+mod types;
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+
+pub use endpoints::{Endpoint, endpoints_by_service_port};
+pub use services::{ServicePort, ServicePortName, service_ports};
+pub use topology::{EndpointSets, categorize_endpoints};
+pub use types::{IpFamily, Protocol};
+
+use crate::manifest::Objects;
+
+/// Label on Services and EndpointSlices that hands them to another proxy; upstream's informers
+/// exclude objects carrying it.
+pub const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
+/// Label on EndpointSlices (and Services) of headless Services; excluded by the same selector.
+pub const LABEL_HEADLESS: &str = "service.kubernetes.io/headless";
+/// Label linking an EndpointSlice to its Service.
+pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
+/// The node label that topology hints are matched against.
+pub const LABEL_TOPOLOGY_ZONE: &str = "topology.kubernetes.io/zone";
+
+/// What kube-proxy knows about the node it runs on.
+#[derive(Clone, Debug, Default)]
+pub struct NodeInfo {
+    pub name: String,
+    pub labels: BTreeMap<String, String>,
+    /// The node's addresses: InternalIPs first, then ExternalIPs (upstream's order of preference),
+    /// or the `--node-ip` values when given.
+    pub addresses: Vec<IpAddr>,
+    /// `spec.podCIDRs` (used by `--detect-local-mode=NodeCIDR`).
+    pub pod_cidrs: Vec<String>,
+}
+
+impl NodeInfo {
+    /// Finds the node called `name` in `objects`; a node that is not there has no labels and
+    /// no addresses. `node_ips` (from `--node-ip`) replace the Node's addresses when non-empty.
+    pub fn from_objects(objects: &Objects, name: &str, node_ips: &[IpAddr]) -> NodeInfo {
+        let mut info = NodeInfo {
+            name: name.to_string(),
+            ..NodeInfo::default()
+        };
+        if let Some(node) = objects
+            .nodes
+            .iter()
+            .find(|n| n.metadata.name.as_deref() == Some(name))
+        {
+            info.labels = node.metadata.labels.clone().unwrap_or_default();
+            if let Some(spec) = &node.spec {
+                info.pod_cidrs = spec.pod_cidrs.clone().unwrap_or_default();
+                if info.pod_cidrs.is_empty()
+                    && let Some(c) = &spec.pod_cidr
+                {
+                    info.pod_cidrs.push(c.clone());
+                }
+            }
+            let addresses = node
+                .status
+                .as_ref()
+                .and_then(|s| s.addresses.clone())
+                .unwrap_or_default();
+            for wanted in ["InternalIP", "ExternalIP"] {
+                for a in addresses.iter().filter(|a| a.type_ == wanted) {
+                    if let Ok(ip) = a.address.trim().parse::<IpAddr>()
+                        && !info.addresses.contains(&ip)
+                    {
+                        info.addresses.push(ip);
+                    }
+                }
+            }
+        }
+        if !node_ips.is_empty() {
+            info.addresses = node_ips.to_vec();
+        }
+        info
+    }
+
+    /// The node's primary IP of `family` (upstream's `nodeIP` per proxier), if known.
+    pub fn primary_ip(&self, family: IpFamily) -> Option<IpAddr> {
+        self.addresses.iter().copied().find(|ip| family.contains(ip))
+    }
+
+    pub fn zone(&self) -> Option<&str> {
+        self.labels.get(LABEL_TOPOLOGY_ZONE).map(String::as_str)
+    }
+}
+
+/// One service port of one family with its endpoints, sorted like upstream sorts them.
+#[derive(Clone, Debug)]
+pub struct ServicePortState {
+    pub port: ServicePort,
+    /// All endpoints of the port (ready or not), sorted by their `ip:port` string.
+    pub endpoints: Vec<Endpoint>,
+}
+
+/// Everything a dataplane needs to program one IP family.
+#[derive(Clone, Debug)]
+pub struct ProxyState {
+    pub family: IpFamily,
+    pub node: NodeInfo,
+    /// Service ports sorted by `ns/name:port` and protocol, so that rendering is deterministic.
+    pub service_ports: Vec<ServicePortState>,
+    /// ServiceCIDRs of this family (nftables mode uses them; iptables mode ignores them, as upstream).
+    pub service_cidrs: Vec<IpNet>,
+    pub warnings: Vec<String>,
+}
+
+/// Builds the state of `family` from the objects, as seen by the node `node`.
+pub fn build_state(objects: &Objects, node: &NodeInfo, family: IpFamily) -> ProxyState {
+    let mut warnings = Vec::new();
+    let ports = service_ports(&objects.services, family, &mut warnings);
+    let mut endpoints = endpoints_by_service_port(&objects.endpoint_slices, family, &node.name, &mut warnings);
+    let service_ports = ports
+        .into_iter()
+        .map(|port| {
+            let eps = endpoints.remove(&port.name).unwrap_or_default();
+            ServicePortState { port, endpoints: eps }
+        })
+        .collect();
+    let mut service_cidrs = Vec::new();
+    for sc in &objects.service_cidrs {
+        let name = sc.metadata.name.as_deref().unwrap_or("<unnamed>");
+        for (i, cidr) in sc
+            .spec
+            .as_ref()
+            .and_then(|s| s.cidrs.clone())
+            .unwrap_or_default()
+            .iter()
+            .enumerate()
+        {
+            match cidr.trim().parse::<IpNet>() {
+                Ok(net) if family.contains(&net.addr()) => service_cidrs.push(net.trunc()),
+                Ok(_) => {}
+                Err(_) => warnings.push(format!(
+                    "ServiceCIDR {name}: field spec.cidrs[{i}]: invalid CIDR {cidr:?}; skipped"
+                )),
+            }
+        }
+    }
+    ProxyState {
+        family,
+        node: node.clone(),
+        service_ports,
+        service_cidrs,
+        warnings,
+    }
+}
+
+/// True if `s` is safe to embed in rule text and chain-name hashes: Kubernetes names are
+/// DNS labels/subdomains and port names are IANA service names, so anything else (quotes,
+/// spaces, newlines) is malformed input that could break the restore format.
+pub(crate) fn is_valid_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 253
+        && s
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+}
+
+/// Port names: empty (unnamed) or a lower-case IANA service name.
+pub(crate) fn is_valid_port_name(s: &str) -> bool {
+    s.is_empty()
+        || (s.len() <= 63
+            && s
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-'))
+}

@@ -1,0 +1,294 @@
+//! Services → service ports of one IP family, as upstream's service change tracker and
+//! `newBaseServiceInfo` compute them.
+
+use std::fmt;
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+use k8s_openapi::api::core::v1::Service;
+
+use super::{IpFamily, LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME, Protocol, is_valid_name, is_valid_port_name};
+
+/// Upstream's `ServicePortName`: `ns/name` plus the port name, with the protocol carried
+/// alongside. Its `Display` is `ns/name[:port]`, the string used in comments and chain hashes.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ServicePortName {
+    pub namespace: String,
+    pub name: String,
+    pub port: String,
+    pub protocol: Protocol,
+}
+
+impl fmt::Display for ServicePortName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)?;
+        if !self.port.is_empty() {
+            write!(f, ":{}", self.port)?;
+        }
+        Ok(())
+    }
+}
+
+/// One port of one Service in one IP family: everything the dataplanes program for it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServicePort {
+    pub name: ServicePortName,
+    pub cluster_ip: IpAddr,
+    pub port: u16,
+    pub protocol: Protocol,
+    /// 0 when the Service has no NodePort for this port.
+    pub node_port: u16,
+    pub external_ips: Vec<IpAddr>,
+    /// `status.loadBalancer.ingress[].ip` with ipMode VIP (or unset), of this family.
+    pub load_balancer_vips: Vec<IpAddr>,
+    /// Network addresses (host bits cleared), of this family.
+    pub load_balancer_source_ranges: Vec<IpNet>,
+    /// 0 unless the Service needs a health check (LoadBalancer with externalTrafficPolicy Local).
+    pub health_check_node_port: u16,
+    /// `Some(timeout)` for sessionAffinity ClientIP.
+    pub session_affinity_timeout: Option<u32>,
+    pub external_policy_local: bool,
+    pub internal_policy_local: bool,
+}
+
+impl ServicePort {
+    /// NodePort, LoadBalancer IPs or externalIPs make it reachable from outside.
+    pub fn externally_accessible(&self) -> bool {
+        self.node_port != 0 || !self.load_balancer_vips.is_empty() || !self.external_ips.is_empty()
+    }
+
+    /// Cluster endpoints are needed for Cluster internal policy, and for any externally
+    /// accessible service (to short-circuit pod traffic even with Local external policy).
+    pub fn uses_cluster_endpoints(&self) -> bool {
+        !self.internal_policy_local || self.externally_accessible()
+    }
+
+    pub fn uses_local_endpoints(&self) -> bool {
+        self.internal_policy_local || (self.external_policy_local && self.externally_accessible())
+    }
+}
+
+/// Upstream's default for `sessionAffinityConfig.clientIP.timeoutSeconds` (3 hours).
+pub const DEFAULT_CLIENT_IP_TIMEOUT: u32 = 10800;
+
+/// Computes the service ports of `family`, sorted by name and protocol. Skipped Services and
+/// fields are reported in `warnings`.
+pub fn service_ports(services: &[Service], family: IpFamily, warnings: &mut Vec<String>) -> Vec<ServicePort> {
+    let mut out = Vec::new();
+    for svc in services {
+        service_to_ports(svc, family, warnings, &mut out);
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    out.dedup_by(|b, a| {
+        if a.name == b.name {
+            warnings.push(format!(
+                "Service {}/{}: duplicate port {} {}; the first one is used",
+                a.name.namespace, a.name.name, a.name, a.protocol
+            ));
+            true
+        } else {
+            false
+        }
+    });
+    out
+}
+
+fn service_to_ports(svc: &Service, family: IpFamily, warnings: &mut Vec<String>, out: &mut Vec<ServicePort>) {
+    let meta = &svc.metadata;
+    let namespace = meta.namespace.clone().unwrap_or_else(|| "default".to_string());
+    let name = meta.name.clone().unwrap_or_default();
+    let labels = meta.labels.clone().unwrap_or_default();
+    // The informer's label selector: both labels must be absent.
+    if labels.contains_key(LABEL_SERVICE_PROXY_NAME) || labels.contains_key(LABEL_HEADLESS) {
+        return;
+    }
+    let id = format!("Service {namespace}/{name}");
+    if !is_valid_name(&namespace) || !is_valid_name(&name) {
+        warnings.push(format!(
+            "Service {namespace:?}/{name:?}: field metadata.name/namespace: not a valid Kubernetes name; skipped"
+        ));
+        return;
+    }
+    let Some(spec) = &svc.spec else { return };
+    // Upstream's ShouldSkipService: no cluster IP ("None" or empty) or ExternalName.
+    let cluster_ip_field = spec.cluster_ip.as_deref().unwrap_or("");
+    if cluster_ip_field.is_empty() || cluster_ip_field == "None" {
+        return;
+    }
+    if spec.type_.as_deref() == Some("ExternalName") {
+        return;
+    }
+    let Some(cluster_ip) = cluster_ip_of_family(spec.cluster_ip.as_deref(), spec.cluster_ips.as_deref(), family, &id, warnings) else {
+        return;
+    };
+
+    let svc_type = spec.type_.as_deref().unwrap_or("ClusterIP");
+    let externally_typed = svc_type == "LoadBalancer" || svc_type == "NodePort";
+    let external_ips_raw = spec.external_ips.clone().unwrap_or_default();
+    let external_policy_local = (externally_typed || !external_ips_raw.is_empty())
+        && spec.external_traffic_policy.as_deref() == Some("Local");
+    let internal_policy_local = spec.internal_traffic_policy.as_deref() == Some("Local");
+
+    let session_affinity_timeout = if spec.session_affinity.as_deref() == Some("ClientIP") {
+        let t = spec
+            .session_affinity_config
+            .as_ref()
+            .and_then(|c| c.client_ip.as_ref())
+            .and_then(|c| c.timeout_seconds)
+            .unwrap_or(DEFAULT_CLIENT_IP_TIMEOUT as i32);
+        if !(1..=86400).contains(&t) {
+            warnings.push(format!(
+                "{id}: field spec.sessionAffinityConfig.clientIP.timeoutSeconds: {t} is outside 1..86400; using {DEFAULT_CLIENT_IP_TIMEOUT}"
+            ));
+            Some(DEFAULT_CLIENT_IP_TIMEOUT)
+        } else {
+            Some(t as u32)
+        }
+    } else {
+        None
+    };
+
+    let mut external_ips = Vec::new();
+    for (i, raw) in external_ips_raw.iter().enumerate() {
+        match parse_ip(raw) {
+            Some(ip) if family.contains(&ip) => external_ips.push(ip),
+            Some(_) => {}
+            None => warnings.push(format!("{id}: field spec.externalIPs[{i}]: invalid IP {raw:?}; skipped")),
+        }
+    }
+
+    let mut load_balancer_source_ranges = Vec::new();
+    let ranges_raw = spec.load_balancer_source_ranges.clone().unwrap_or_default();
+    let mut any_valid_range = false;
+    for (i, raw) in ranges_raw.iter().enumerate() {
+        match raw.trim().parse::<IpNet>() {
+            Ok(net) => {
+                any_valid_range = true;
+                if family.contains(&net.addr()) {
+                    load_balancer_source_ranges.push(net.trunc());
+                }
+            }
+            Err(_) => warnings.push(format!(
+                "{id}: field spec.loadBalancerSourceRanges[{i}]: invalid CIDR {raw:?}; skipped"
+            )),
+        }
+    }
+    if !ranges_raw.is_empty() && !any_valid_range {
+        // Dropping every range would open the load balancer to the world: fail closed.
+        warnings.push(format!(
+            "{id}: field spec.loadBalancerSourceRanges: no valid CIDR; Service skipped rather than opened to every source"
+        ));
+        return;
+    }
+
+    let mut load_balancer_vips = Vec::new();
+    let ingress = svc
+        .status
+        .as_ref()
+        .and_then(|s| s.load_balancer.as_ref())
+        .and_then(|lb| lb.ingress.clone())
+        .unwrap_or_default();
+    for (i, ing) in ingress.iter().enumerate() {
+        let Some(raw) = ing.ip.as_deref().filter(|s| !s.is_empty()) else { continue };
+        // ipMode Proxy load balancers deliver to the node, not to the VIP.
+        if ing.ip_mode.as_deref().is_some_and(|m| m != "VIP") {
+            continue;
+        }
+        match parse_ip(raw) {
+            Some(ip) if family.contains(&ip) => load_balancer_vips.push(ip),
+            Some(_) => {}
+            None => warnings.push(format!(
+                "{id}: field status.loadBalancer.ingress[{i}].ip: invalid IP {raw:?}; skipped"
+            )),
+        }
+    }
+
+    let needs_health_check = svc_type == "LoadBalancer" && external_policy_local;
+    let mut health_check_node_port = 0u16;
+    if needs_health_check {
+        match spec.health_check_node_port {
+            Some(p) if (1..=65535).contains(&p) => health_check_node_port = p as u16,
+            Some(p) if p != 0 => warnings.push(format!(
+                "{id}: field spec.healthCheckNodePort: {p} is not a valid port; skipped"
+            )),
+            _ => warnings.push(format!("{id}: field spec.healthCheckNodePort: Service has no health check node port")),
+        }
+    }
+
+    for (i, port) in spec.ports.clone().unwrap_or_default().iter().enumerate() {
+        let port_name = port.name.clone().unwrap_or_default();
+        if !is_valid_port_name(&port_name) {
+            warnings.push(format!("{id}: field spec.ports[{i}].name: invalid port name {port_name:?}; port skipped"));
+            continue;
+        }
+        let proto_raw = port.protocol.as_deref().unwrap_or("TCP");
+        let Some(protocol) = Protocol::from_api(proto_raw) else {
+            warnings.push(format!("{id}: field spec.ports[{i}].protocol: unknown protocol {proto_raw:?}; port skipped"));
+            continue;
+        };
+        if !(1..=65535).contains(&port.port) {
+            warnings.push(format!("{id}: field spec.ports[{i}].port: {} is out of range 1-65535; port skipped", port.port));
+            continue;
+        }
+        let node_port = port.node_port.unwrap_or(0);
+        if !(0..=65535).contains(&node_port) {
+            warnings.push(format!("{id}: field spec.ports[{i}].nodePort: {node_port} is out of range 1-65535; port skipped"));
+            continue;
+        }
+        out.push(ServicePort {
+            name: ServicePortName {
+                namespace: namespace.clone(),
+                name: name.clone(),
+                port: port_name,
+                protocol,
+            },
+            cluster_ip,
+            port: port.port as u16,
+            protocol,
+            node_port: node_port as u16,
+            external_ips: external_ips.clone(),
+            load_balancer_vips: load_balancer_vips.clone(),
+            load_balancer_source_ranges: load_balancer_source_ranges.clone(),
+            health_check_node_port,
+            session_affinity_timeout,
+            external_policy_local,
+            internal_policy_local,
+        });
+    }
+}
+
+/// Upstream's `GetClusterIPByFamily`: the entry of `clusterIPs` of that family, else
+/// `clusterIP` if it is of that family.
+fn cluster_ip_of_family(
+    cluster_ip: Option<&str>,
+    cluster_ips: Option<&[String]>,
+    family: IpFamily,
+    id: &str,
+    warnings: &mut Vec<String>,
+) -> Option<IpAddr> {
+    let candidates: Vec<(String, &str)> = match cluster_ips {
+        Some(list) if !list.is_empty() => list
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (format!("spec.clusterIPs[{i}]"), s.as_str()))
+            .collect(),
+        _ => cluster_ip.map(|s| ("spec.clusterIP".to_string(), s)).into_iter().collect(),
+    };
+    for (field, raw) in &candidates {
+        match parse_ip(raw) {
+            Some(ip) => {
+                if family.contains(&ip) {
+                    return Some(ip);
+                }
+            }
+            None => warnings.push(format!("{id}: field {field}: invalid IP {raw:?}; skipped")),
+        }
+    }
+    None
+}
+
+/// Parses an IP the way Kubernetes writes them (no zone, no brackets); leading zeros are
+/// rejected by Rust's parser, which is stricter than upstream's "sloppy" parse on purpose.
+pub(crate) fn parse_ip(raw: &str) -> Option<IpAddr> {
+    raw.trim().parse::<IpAddr>().ok()
+}

@@ -1,0 +1,139 @@
+//! Which endpoints a service port uses for Cluster and Local traffic on this node: upstream's
+//! `CategorizeEndpoints` (ready endpoints, terminating-but-serving fallback, topology hints,
+//! traffic policies).
+
+use super::{Endpoint, ServicePort};
+
+/// The endpoint sets of one service port on this node.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EndpointSets {
+    /// Endpoints for Cluster traffic policy (after topology); empty if the port never uses them.
+    pub cluster: Vec<Endpoint>,
+    /// Endpoints for Local traffic policy; empty if the port never uses them.
+    pub local: Vec<Endpoint>,
+    /// Union of both, sorted by `ip:port`: every endpoint that needs a KUBE-SEP chain.
+    pub all_reachable: Vec<Endpoint>,
+    /// Whether the service has usable endpoints anywhere in the cluster (REJECT when false).
+    pub has_any: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TopologyMode {
+    None,
+    PreferSameNode,
+    PreferSameZone,
+}
+
+/// Categorises `endpoints` (sorted by `ip:port`) for `svc` as seen from node `node_name` in
+/// `zone`. `prefer_same_node` is the `PreferSameTrafficDistribution` feature gate.
+pub fn categorize_endpoints(
+    endpoints: &[Endpoint],
+    svc: &ServicePort,
+    node_name: &str,
+    zone: Option<&str>,
+    prefer_same_node: bool,
+) -> EndpointSets {
+    let mut sets = EndpointSets::default();
+    let mut mode = TopologyMode::None;
+
+    if svc.uses_cluster_endpoints() {
+        mode = topology_mode(endpoints, node_name, zone, prefer_same_node);
+        sets.cluster = endpoints
+            .iter()
+            .filter(|ep| ep.ready && available_for_topology(ep, mode, node_name, zone))
+            .cloned()
+            .collect();
+        // No ready endpoints anywhere (topology already fell back): use serving+terminating ones.
+        if sets.cluster.is_empty() {
+            sets.cluster = endpoints
+                .iter()
+                .filter(|ep| ep.serving && ep.terminating)
+                .cloned()
+                .collect();
+        }
+        sets.has_any = !sets.cluster.is_empty();
+    }
+
+    if !svc.uses_local_endpoints() {
+        sets.all_reachable = sets.cluster.clone();
+        return sets;
+    }
+
+    let mut local_ready = false;
+    let mut local_serving_terminating = false;
+    for ep in endpoints {
+        if ep.ready {
+            sets.has_any = true;
+            local_ready |= ep.is_local;
+        } else if ep.serving && ep.terminating {
+            sets.has_any = true;
+            local_serving_terminating |= ep.is_local;
+        }
+    }
+    let mut uses_terminating = false;
+    if local_ready {
+        sets.local = endpoints.iter().filter(|ep| ep.is_local && ep.ready).cloned().collect();
+    } else if local_serving_terminating {
+        uses_terminating = true;
+        sets.local = endpoints
+            .iter()
+            .filter(|ep| ep.is_local && ep.serving && ep.terminating)
+            .cloned()
+            .collect();
+    }
+
+    if !svc.uses_cluster_endpoints() {
+        sets.all_reachable = sets.local.clone();
+        return sets;
+    }
+    if mode == TopologyMode::None && !uses_terminating {
+        // Cluster endpoints are then a superset of the local ones.
+        sets.all_reachable = sets.cluster.clone();
+        return sets;
+    }
+    let mut all: Vec<Endpoint> = sets.cluster.clone();
+    for ep in &sets.local {
+        if !all.iter().any(|e| e.ip == ep.ip && e.port == ep.port) {
+            all.push(ep.clone());
+        }
+    }
+    all.sort_by_key(|e| e.to_string());
+    sets.all_reachable = all;
+    sets
+}
+
+/// All-or-nothing hints: every ready endpoint must carry a hint of the kind, and one must
+/// match this node (or its zone); otherwise hints are ignored.
+fn topology_mode(endpoints: &[Endpoint], node_name: &str, zone: Option<&str>, prefer_same_node: bool) -> TopologyMode {
+    let mut all_node_hints = true;
+    let mut has_for_node = false;
+    let mut all_zone_hints = true;
+    let mut has_for_zone = false;
+    for ep in endpoints.iter().filter(|e| e.ready) {
+        if ep.node_hints.is_empty() {
+            all_node_hints = false;
+        } else if ep.node_hints.contains(node_name) {
+            has_for_node = true;
+        }
+        if ep.zone_hints.is_empty() {
+            all_zone_hints = false;
+        } else if zone.is_some_and(|z| ep.zone_hints.contains(z)) {
+            has_for_zone = true;
+        }
+    }
+    if prefer_same_node && all_node_hints && has_for_node {
+        return TopologyMode::PreferSameNode;
+    }
+    if all_zone_hints && has_for_zone {
+        return TopologyMode::PreferSameZone;
+    }
+    TopologyMode::None
+}
+
+fn available_for_topology(ep: &Endpoint, mode: TopologyMode, node_name: &str, zone: Option<&str>) -> bool {
+    match mode {
+        TopologyMode::None => true,
+        TopologyMode::PreferSameNode => ep.node_hints.contains(node_name),
+        TopologyMode::PreferSameZone => zone.is_some_and(|z| ep.zone_hints.contains(z)),
+    }
+}
