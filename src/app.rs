@@ -47,16 +47,31 @@ pub fn families_in_use(objects: &Objects, node: &NodeInfo) -> Vec<IpFamily> {
     out
 }
 
+/// This node as the configuration and the manifests describe it. As upstream, a specific
+/// `bindAddress` becomes the node's primary IP of its family.
+pub fn node_info(objects: &Objects, cfg: &ProxyConfig) -> NodeInfo {
+    let mut node = NodeInfo::from_objects(objects, &cfg.node_name(), &cfg.node_ips);
+    if let Some(bind) = cfg.bind_address.filter(|ip| !ip.is_unspecified()) {
+        node.addresses.retain(|ip| *ip != bind);
+        node.addresses.insert(0, bind);
+    }
+    node
+}
+
 /// Builds the model and renders the iptables rules of each requested family.
 pub fn render_iptables(objects: &Objects, cfg: &ProxyConfig, families: &[IpFamily]) -> Vec<FamilyRules> {
-    let node = NodeInfo::from_objects(objects, &cfg.node_name(), &cfg.node_ips);
+    let node = node_info(objects, cfg);
     families
         .iter()
         .map(|&family| {
             let state = build_state(objects, &node, family);
             let options = RenderOptions::from_config(cfg, family, &state);
             let ruleset = iptables::render(&state, &options);
-            FamilyRules { state, options, ruleset }
+            FamilyRules {
+                state,
+                options,
+                ruleset,
+            }
         })
         .collect()
 }

@@ -235,7 +235,13 @@ impl ProxyConfig {
             "" | "iptables" => ProxyMode::Iptables,
             "ipvs" => ProxyMode::Ipvs,
             "nftables" => ProxyMode::Nftables,
-            other => return Err(invalid(field_name(from_file, "mode", "--proxy-mode"), other, "must be iptables, ipvs or nftables")),
+            other => {
+                return Err(invalid(
+                    field_name(from_file, "mode", "--proxy-mode"),
+                    other,
+                    "must be iptables, ipvs or nftables",
+                ));
+            }
         };
 
         let hostname_override = flags
@@ -249,7 +255,11 @@ impl ProxyConfig {
         let bind_address = match bind_raw.as_deref().map(str::trim).filter(|s| !s.is_empty()) {
             None => None,
             Some(s) => Some(s.parse::<IpAddr>().map_err(|_| {
-                invalid(field_name(from_file, "bindAddress", "--bind-address"), s, "not an IP address")
+                invalid(
+                    field_name(from_file, "bindAddress", "--bind-address"),
+                    s,
+                    "not an IP address",
+                )
             })?),
         };
 
@@ -265,7 +275,11 @@ impl ProxyConfig {
                 .map_err(|_| invalid(cluster_cidr_field, c, "not a CIDR"))?;
         }
         if cluster_cidrs.len() > 2 {
-            return Err(invalid(cluster_cidr_field, cluster_cidrs.join(","), "at most one CIDR per IP family"));
+            return Err(invalid(
+                cluster_cidr_field,
+                cluster_cidrs.join(","),
+                "at most one CIDR per IP family",
+            ));
         }
 
         let dlm_raw = pick!(f.detect_local_mode.clone(), flags.detect_local_mode.clone()).unwrap_or_default();
@@ -282,10 +296,20 @@ impl ProxyConfig {
                 ));
             }
         };
-        let bridge_interface = pick!(f.detect_local.bridge_interface.clone(), flags.pod_bridge_interface.clone()).unwrap_or_default();
-        let interface_name_prefix =
-            pick!(f.detect_local.interface_name_prefix.clone(), flags.pod_interface_name_prefix.clone()).unwrap_or_default();
-        for (name, v) in [("bridgeInterface", &bridge_interface), ("interfaceNamePrefix", &interface_name_prefix)] {
+        let bridge_interface = pick!(
+            f.detect_local.bridge_interface.clone(),
+            flags.pod_bridge_interface.clone()
+        )
+        .unwrap_or_default();
+        let interface_name_prefix = pick!(
+            f.detect_local.interface_name_prefix.clone(),
+            flags.pod_interface_name_prefix.clone()
+        )
+        .unwrap_or_default();
+        for (name, v) in [
+            ("bridgeInterface", &bridge_interface),
+            ("interfaceNamePrefix", &interface_name_prefix),
+        ] {
             if !v.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.@".contains(&b)) || v.len() > 15 {
                 return Err(invalid(&format!("detectLocal.{name}"), v, "not a valid interface name"));
             }
@@ -299,7 +323,9 @@ impl ProxyConfig {
         }
         if detect_local_mode == DetectLocalMode::InterfaceNamePrefix && interface_name_prefix.is_empty() {
             return Err(invalid(
-                field_name(from_file, "detectLocal.interfaceNamePrefix", "--pod-interface-name-prefix"),
+                field_name(
+                    from_file, "detectLocal.interfaceNamePrefix", "--pod-interface-name-prefix",
+                ),
                 "",
                 "required with detectLocalMode InterfaceNamePrefix",
             ));
@@ -314,7 +340,8 @@ impl ProxyConfig {
                 "must be in the range 0-31",
             ));
         }
-        let localhost_node_ports = pick!(f.iptables.localhost_node_ports, flags.iptables_localhost_nodeports).unwrap_or(true);
+        let localhost_node_ports =
+            pick!(f.iptables.localhost_node_ports, flags.iptables_localhost_nodeports).unwrap_or(true);
 
         let npa_field = field_name(from_file, "nodePortAddresses", "--nodeport-addresses");
         let node_port_addresses: Vec<String> = pick!(f.node_port_addresses.clone(), flags.nodeport_addresses.clone())
@@ -330,12 +357,17 @@ impl ProxyConfig {
         }
 
         let mut feature_gates = pick!(f.feature_gates.clone(), flags.feature_gates.clone());
-        feature_gates.entry("PreferSameTrafficDistribution".into()).or_insert(true);
+        feature_gates
+            .entry("PreferSameTrafficDistribution".into())
+            .or_insert(true);
 
         let mut node_ips = Vec::new();
         for raw in &flags.node_ips {
             for part in raw.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-                node_ips.push(part.parse::<IpAddr>().map_err(|_| invalid("--node-ip", part, "not an IP address"))?);
+                node_ips.push(
+                    part.parse::<IpAddr>()
+                        .map_err(|_| invalid("--node-ip", part, "not an IP address"))?,
+                );
             }
         }
 
@@ -380,8 +412,12 @@ impl ProxyConfig {
                 .cloned()
         };
         match self.detect_local_mode {
-            DetectLocalMode::ClusterCidr => cidr_of_family(&self.cluster_cidrs).map_or(LocalDetector::None, LocalDetector::Cidr),
-            DetectLocalMode::NodeCidr => cidr_of_family(&node.pod_cidrs).map_or(LocalDetector::None, LocalDetector::Cidr),
+            DetectLocalMode::ClusterCidr => {
+                cidr_of_family(&self.cluster_cidrs).map_or(LocalDetector::None, LocalDetector::Cidr)
+            }
+            DetectLocalMode::NodeCidr => {
+                cidr_of_family(&node.pod_cidrs).map_or(LocalDetector::None, LocalDetector::Cidr)
+            }
             DetectLocalMode::BridgeInterface => LocalDetector::Bridge(self.bridge_interface.clone()),
             DetectLocalMode::InterfaceNamePrefix => LocalDetector::InterfacePrefix(self.interface_name_prefix.clone()),
         }
@@ -404,7 +440,10 @@ fn ignored_flags(flags: &Flags) -> Vec<&'static str> {
         ("--masquerade-all", flags.masquerade_all.is_some()),
         ("--nodeport-addresses", flags.nodeport_addresses.is_some()),
         ("--iptables-masquerade-bit", flags.iptables_masquerade_bit.is_some()),
-        ("--iptables-localhost-nodeports", flags.iptables_localhost_nodeports.is_some()),
+        (
+            "--iptables-localhost-nodeports",
+            flags.iptables_localhost_nodeports.is_some(),
+        ),
         ("--feature-gates", !flags.feature_gates.is_empty()),
     ];
     for (name, set) in checks {
@@ -418,7 +457,10 @@ fn ignored_flags(flags: &Flags) -> Vec<&'static str> {
 /// Reads a KubeProxyConfiguration file (YAML or JSON).
 pub fn load_file(path: &Path) -> Result<KubeProxyConfiguration, ConfigError> {
     let p = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: p.clone(), source })?;
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: p.clone(),
+        source,
+    })?;
     parse_config(&p, &text)
 }
 
@@ -501,7 +543,9 @@ mod tests {
         };
         let e = ProxyConfig::resolve(&flags).unwrap_err().to_string();
         assert!(e.contains("--cluster-cidr") && e.contains("10.0.0.0/33"), "{e}");
-        let (dir, flags) = write_config("apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: userspace\n");
+        let (dir, flags) = write_config(
+            "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: userspace\n",
+        );
         let e = ProxyConfig::resolve(&flags).unwrap_err().to_string();
         std::fs::remove_dir_all(dir).unwrap();
         assert!(e.contains("mode") && e.contains("userspace"), "{e}");
@@ -509,7 +553,8 @@ mod tests {
 
     #[test]
     fn unknown_fields_warn() {
-        let (dir, flags) = write_config("apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nfrobnicate: 1\n");
+        let (dir, flags) =
+            write_config("apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nfrobnicate: 1\n");
         let c = ProxyConfig::resolve(&flags).unwrap();
         std::fs::remove_dir_all(dir).unwrap();
         assert!(c.warnings.iter().any(|w| w.contains("frobnicate")));
@@ -526,9 +571,15 @@ mod tests {
             ..Flags::default()
         })
         .unwrap();
-        assert_eq!(c.local_detector(IpFamily::V6, &node).if_not_local(), vec!["!", "-s", "fd00::/48"]);
+        assert_eq!(
+            c.local_detector(IpFamily::V6, &node).if_not_local(),
+            vec!["!", "-s", "fd00::/48"]
+        );
         c.detect_local_mode = DetectLocalMode::NodeCidr;
-        assert_eq!(c.local_detector(IpFamily::V4, &node).if_local(), vec!["-s", "10.244.1.0/24"]);
+        assert_eq!(
+            c.local_detector(IpFamily::V4, &node).if_local(),
+            vec!["-s", "10.244.1.0/24"]
+        );
         c.detect_local_mode = DetectLocalMode::InterfaceNamePrefix;
         c.interface_name_prefix = "veth".into();
         assert_eq!(c.local_detector(IpFamily::V4, &node).if_local(), vec!["-i", "veth+"]);

@@ -17,7 +17,11 @@ use kube_proxy::manifest;
 use kube_proxy::model::{IpFamily, Protocol};
 
 #[derive(Parser, Debug)]
-#[command(name = "kube-proxy", version, about = "kube-proxy-rs: a drop-in replacement for Kubernetes' kube-proxy")]
+#[command(
+    name = "kube-proxy",
+    version,
+    about = "kube-proxy-rs: a drop-in replacement for Kubernetes' kube-proxy"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
@@ -201,7 +205,10 @@ fn load(paths: &[PathBuf]) -> anyhow::Result<manifest::Objects> {
 
 fn require_iptables(cfg: &ProxyConfig) -> anyhow::Result<()> {
     if cfg.mode != ProxyMode::Iptables {
-        bail!("proxy mode {:?} is not supported by this build yet; only iptables", cfg.mode.as_str());
+        bail!(
+            "proxy mode {:?} is not supported by this build yet; only iptables",
+            cfg.mode.as_str()
+        );
     }
     Ok(())
 }
@@ -212,10 +219,7 @@ fn render(cfg: &ProxyConfig, args: RenderArgs) -> anyhow::Result<ExitCode> {
     let families = match args.ip_family {
         Some(FamilyArg::V4) => vec![IpFamily::V4],
         Some(FamilyArg::V6) => vec![IpFamily::V6],
-        None => {
-            let node = kube_proxy::model::NodeInfo::from_objects(&objects, &cfg.node_name(), &cfg.node_ips);
-            app::families_in_use(&objects, &node)
-        }
+        None => app::families_in_use(&objects, &app::node_info(&objects, cfg)),
     };
     let rendered = app::render_iptables(&objects, cfg, &families);
     let mut out = String::new();
@@ -234,8 +238,12 @@ fn render(cfg: &ProxyConfig, args: RenderArgs) -> anyhow::Result<ExitCode> {
 
 fn trace_cmd(cfg: &ProxyConfig, args: TraceArgs) -> anyhow::Result<ExitCode> {
     require_iptables(cfg)?;
-    let protocol = Protocol::from_api(&args.protocol.to_ascii_uppercase())
-        .with_context(|| format!("invalid value {:?} for --protocol: must be TCP, UDP or SCTP", args.protocol))?;
+    let protocol = Protocol::from_api(&args.protocol.to_ascii_uppercase()).with_context(|| {
+        format!(
+            "invalid value {:?} for --protocol: must be TCP, UDP or SCTP",
+            args.protocol
+        )
+    })?;
     if IpFamily::of(&args.from) != IpFamily::of(&args.to.ip()) {
         bail!("--from {} and --to {} are of different IP families", args.from, args.to);
     }

@@ -97,10 +97,7 @@ pub fn load_str(path: &Path, text: &str, objects: &mut Objects) -> Result<(), Ma
         let value: Value = match serde_saphyr::from_str(&doc) {
             Ok(v) => v,
             Err(err) => {
-                let (line, column) = err
-                    .location()
-                    .map(|l| (l.line(), l.column()))
-                    .unwrap_or((1, 1));
+                let (line, column) = err.location().map(|l| (l.line(), l.column())).unwrap_or((1, 1));
                 return Err(ManifestError::Syntax {
                     path: path.to_path_buf(),
                     line: start_line + line.saturating_sub(1),
@@ -127,10 +124,7 @@ fn split_documents(text: &str) -> Vec<(u64, String)> {
     let mut current = String::new();
     let mut start = 1u64;
     for (i, line) in text.lines().enumerate() {
-        let is_marker = line == "---"
-            || line.starts_with("--- ")
-            || line.starts_with("---\t")
-            || line == "...";
+        let is_marker = line == "---" || line.starts_with("--- ") || line.starts_with("---\t") || line == "...";
         if is_marker {
             if !current.trim().is_empty() {
                 docs.push((start, std::mem::take(&mut current)));
@@ -284,7 +278,10 @@ mod tests {
         assert_eq!(o.services.len(), 1);
         assert_eq!(o.warnings.len(), 1);
         let w = &o.warnings[0];
-        assert!(w.contains("x/bad") && w.contains("spec.ports[0].port") && w.contains("t.yaml:1"), "{w}");
+        assert!(
+            w.contains("x/bad") && w.contains("spec.ports[0].port") && w.contains("t.yaml:1"),
+            "{w}"
+        );
     }
 
     #[test]

@@ -19,9 +19,19 @@ struct Netns {
 impl Netns {
     fn new() -> Netns {
         static COUNTER: AtomicUsize = AtomicUsize::new(0);
-        let name = format!("kp-kernel-{}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::SeqCst));
-        let st = Command::new("ip").args(["netns", "add", &name]).status().expect("ip runs");
-        assert!(st.success(), "ip netns add {name} failed (tests need root and iproute2)");
+        let name = format!(
+            "kp-kernel-{}-{}",
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::SeqCst)
+        );
+        let st = Command::new("ip")
+            .args(["netns", "add", &name])
+            .status()
+            .expect("ip runs");
+        assert!(
+            st.success(),
+            "ip netns add {name} failed (tests need root and iproute2)"
+        );
         Netns { name }
     }
 
@@ -35,9 +45,18 @@ impl Netns {
             .stderr(Stdio::piped())
             .spawn()
             .expect("ip netns exec runs");
-        child.stdin.take().expect("stdin").write_all(stdin.as_bytes()).expect("write stdin");
+        child
+            .stdin
+            .take()
+            .expect("stdin")
+            .write_all(stdin.as_bytes())
+            .expect("write stdin");
         let out = child.wait_with_output().expect("wait");
-        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
         (out.status.success(), text)
     }
 }
@@ -96,7 +115,10 @@ fn check_accepted(label: &str, rendered: &str) {
         };
         let ns = Netns::new();
         let (ok, out) = ns.run(restore_cmd, &["--test", "--noflush", "--counters"], &restore);
-        assert!(ok, "{label} ({restore_cmd} --test) rejected the ruleset: {out}\n{restore}");
+        assert!(
+            ok,
+            "{label} ({restore_cmd} --test) rejected the ruleset: {out}\n{restore}"
+        );
         // Apply for real: the jump rules first need their chains, as a full sync ensures them.
         let (ok, out) = ns.run(restore_cmd, &["--noflush", "--counters"], &restore);
         assert!(ok, "{label} ({restore_cmd}) failed: {out}");
@@ -114,12 +136,21 @@ fn check_accepted(label: &str, rendered: &str) {
         assert!(ok, "{label}: {save_cmd} failed: {saved}");
         for line in restore.lines().filter(|l| l.starts_with(':')) {
             let chain = line[1..].split_whitespace().next().unwrap_or("");
-            assert!(saved.contains(&format!(":{chain} ")), "{label}: chain {chain} missing after restore:\n{saved}");
+            assert!(
+                saved.contains(&format!(":{chain} ")),
+                "{label}: chain {chain} missing after restore:\n{saved}"
+            );
         }
         let rules_in = restore.lines().filter(|l| l.starts_with("-A ")).count();
         let kube_rules_saved = saved.lines().filter(|l| l.starts_with("-A KUBE-")).count();
-        assert_eq!(kube_rules_saved, rules_in, "{label}: every rule is in the kernel:\n{saved}");
-        assert!(saved.contains("-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES"), "{label}: jump rules applied:\n{saved}");
+        assert_eq!(
+            kube_rules_saved, rules_in,
+            "{label}: every rule is in the kernel:\n{saved}"
+        );
+        assert!(
+            saved.contains("-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES"),
+            "{label}: jump rules applied:\n{saved}"
+        );
     }
 }
 
@@ -134,10 +165,23 @@ fn kernel_accepts_every_scenario() {
 #[test]
 fn kernel_accepts_every_config_variant() {
     let variants: &[&[&str]] = &[
-        &["--hostname-override=node-a", "--cluster-cidr=10.244.0.0/16", "--masquerade-all", "--iptables-masquerade-bit=31"],
-        &["--hostname-override=node-a", "--detect-local-mode=BridgeInterface", "--pod-bridge-interface=cni0"],
-        &["--hostname-override=node-a", "--detect-local-mode=InterfaceNamePrefix", "--pod-interface-name-prefix=veth"],
-        &["--hostname-override=node-a", "--detect-local-mode=NodeCIDR", "--nodeport-addresses=192.168.49.0/24,127.0.0.0/8"],
+        &[
+            "--hostname-override=node-a", "--cluster-cidr=10.244.0.0/16", "--masquerade-all",
+            "--iptables-masquerade-bit=31",
+        ],
+        &[
+            "--hostname-override=node-a", "--detect-local-mode=BridgeInterface", "--pod-bridge-interface=cni0",
+        ],
+        &[
+            "--hostname-override=node-a",
+            "--detect-local-mode=InterfaceNamePrefix",
+            "--pod-interface-name-prefix=veth",
+        ],
+        &[
+            "--hostname-override=node-a",
+            "--detect-local-mode=NodeCIDR",
+            "--nodeport-addresses=192.168.49.0/24,127.0.0.0/8",
+        ],
         &["--config=examples/kube-proxy-config.yaml"],
     ];
     for flags in variants {

@@ -5,7 +5,7 @@ pub mod names;
 pub mod render;
 pub mod trace;
 
-pub use render::{render, RenderOptions};
+pub use render::{RenderOptions, render};
 
 use crate::model::IpFamily;
 

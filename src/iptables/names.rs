@@ -73,12 +73,30 @@ mod tests {
     // Examples from upstream's proxier_test.go and public iptables dumps.
     #[test]
     fn matches_upstream_examples() {
-        assert_eq!(service_port_chains("ns1/svc1:p80", "tcp").cluster, "KUBE-SVC-XPGD46QRK7WJZT7O");
-        assert_eq!(endpoint_chain("ns1/svc1:p80", "tcp", "10.180.0.1:80"), "KUBE-SEP-SXIVWICOYRO3J4NJ");
-        assert_eq!(service_port_chains("default/kubernetes:https", "tcp").cluster, "KUBE-SVC-NPX46M4PTMTKRN6Y");
-        assert_eq!(service_port_chains("kube-system/kube-dns:dns", "udp").cluster, "KUBE-SVC-TCOU7JCQXEZGVUNU");
-        assert_eq!(service_port_chains("kube-system/kube-dns:dns-tcp", "tcp").cluster, "KUBE-SVC-ERIFXISQEP7F7OF4");
-        assert_eq!(service_port_chains("default/nginx", "tcp").cluster, "KUBE-SVC-2CMXP7HKUVJN7L6M");
+        assert_eq!(
+            service_port_chains("ns1/svc1:p80", "tcp").cluster,
+            "KUBE-SVC-XPGD46QRK7WJZT7O"
+        );
+        assert_eq!(
+            endpoint_chain("ns1/svc1:p80", "tcp", "10.180.0.1:80"),
+            "KUBE-SEP-SXIVWICOYRO3J4NJ"
+        );
+        assert_eq!(
+            service_port_chains("default/kubernetes:https", "tcp").cluster,
+            "KUBE-SVC-NPX46M4PTMTKRN6Y"
+        );
+        assert_eq!(
+            service_port_chains("kube-system/kube-dns:dns", "udp").cluster,
+            "KUBE-SVC-TCOU7JCQXEZGVUNU"
+        );
+        assert_eq!(
+            service_port_chains("kube-system/kube-dns:dns-tcp", "tcp").cluster,
+            "KUBE-SVC-ERIFXISQEP7F7OF4"
+        );
+        assert_eq!(
+            service_port_chains("default/nginx", "tcp").cluster,
+            "KUBE-SVC-2CMXP7HKUVJN7L6M"
+        );
     }
 
     #[test]

@@ -152,35 +152,12 @@ pub fn local_addresses(state: &ProxyState) -> Vec<IpAddr> {
     v
 }
 
-/// Collects the lines of one table part (chain declarations or rules).
-#[derive(Default)]
-struct Lines {
-    text: String,
-    count: usize,
-}
-
-impl Lines {
-    fn chain(&mut self, name: &str) {
-        let _ = writeln!(self.text, ":{name} - [0:0]");
-        self.count += 1;
-    }
-
-    fn rule<S: AsRef<str>>(&mut self, words: &[S]) {
-        let mut first = true;
-        for w in words {
-            if !first {
-                self.text.push(' ');
-            }
-            first = false;
-            self.text.push_str(w.as_ref());
-        }
-        self.text.push('\n');
-        self.count += 1;
-    }
-}
-
-fn quoted(s: &str) -> String {
-    format!("\"{s}\"")
+/// Appends one line to a table part (chain declarations or rules) of the restore input.
+macro_rules! line {
+    ($buf:expr, $($fmt:tt)*) => {{
+        // Writing to a String cannot fail.
+        let _ = writeln!($buf, $($fmt)*);
+    }};
 }
 
 /// Go's `%0.10f` of 1/n.
@@ -202,70 +179,43 @@ pub fn render(state: &ProxyState, opts: &RenderOptions) -> Ruleset {
     let npa = NodePortAddresses::new(family, &opts.node_port_addresses, node_ip);
     let localhost_node_ports = opts.localhost_node_ports && !is_ipv6 && npa.contains_ipv4_loopback();
     let detector = &opts.local_detector;
+    let if_local = detector.if_local().join(" ");
+    let if_not_local = detector.if_not_local().join(" ");
 
-    let mut filter_chains = Lines::default();
-    let mut filter_rules = Lines::default();
-    let mut nat_chains = Lines::default();
-    let mut nat_rules = Lines::default();
+    let mut filter_chains = String::new();
+    let mut filter_rules = String::new();
+    let mut nat_chains = String::new();
+    let mut nat_rules = String::new();
 
-    for c in [KUBE_SERVICES, KUBE_EXTERNAL_SERVICES, KUBE_FORWARD, KUBE_NODEPORTS, KUBE_PROXY_FIREWALL] {
-        filter_chains.chain(c);
+    for c in [
+        KUBE_SERVICES, KUBE_EXTERNAL_SERVICES, KUBE_FORWARD, KUBE_NODEPORTS, KUBE_PROXY_FIREWALL,
+    ] {
+        line!(filter_chains, ":{c} - [0:0]");
     }
     for c in [KUBE_SERVICES, KUBE_NODEPORTS, KUBE_POSTROUTING, KUBE_MARK_MASQ] {
-        nat_chains.chain(c);
+        line!(nat_chains, ":{c} - [0:0]");
     }
 
-    nat_rules.rule(&[
-        "-A",
-        KUBE_POSTROUTING,
-        "-m",
-        "mark",
-        "!",
-        "--mark",
-        &format!("{mark}/{mark}"),
-        "-j",
-        "RETURN",
-    ]);
-    nat_rules.rule(&["-A", KUBE_POSTROUTING, "-j", "MARK", "--xor-mark", &mark]);
-    let mut masq = vec![
-        "-A".to_string(),
-        KUBE_POSTROUTING.into(),
-        "-m".into(),
-        "comment".into(),
-        "--comment".into(),
-        quoted("kubernetes service traffic requiring SNAT"),
-        "-j".into(),
-        "MASQUERADE".into(),
-    ];
-    if opts.random_fully {
-        masq.push("--random-fully".into());
-    }
-    nat_rules.rule(&masq);
-    nat_rules.rule(&["-A", KUBE_MARK_MASQ, "-j", "MARK", "--or-mark", &mark]);
+    line!(
+        nat_rules,
+        "-A {KUBE_POSTROUTING} -m mark ! --mark {mark}/{mark} -j RETURN"
+    );
+    // Clear the mark so that a packet re-traversing the stack is not masqueraded twice.
+    line!(nat_rules, "-A {KUBE_POSTROUTING} -j MARK --xor-mark {mark}");
+    let random_fully = if opts.random_fully { " --random-fully" } else { "" };
+    line!(
+        nat_rules,
+        "-A {KUBE_POSTROUTING} -m comment --comment \"kubernetes service traffic requiring SNAT\" -j MASQUERADE{random_fully}"
+    );
+    line!(nat_rules, "-A {KUBE_MARK_MASQ} -j MARK --or-mark {mark}");
 
     if localhost_node_ports {
         // Mitigates the route_localnet exposure (upstream issue 90259); kubelet has a twin.
-        filter_chains.chain(KUBE_FIREWALL);
-        filter_rules.rule(&[
-            "-A",
-            KUBE_FIREWALL,
-            "-m",
-            "comment",
-            "--comment",
-            &quoted("block incoming localnet connections"),
-            "-d",
-            "127.0.0.0/8",
-            "!",
-            "-s",
-            "127.0.0.0/8",
-            "-m",
-            "conntrack",
-            "!",
-            "--ctstate",
-            "RELATED,ESTABLISHED,DNAT",
-            "-j",
-            "DROP",
-        ]);
+        line!(filter_chains, ":{KUBE_FIREWALL} - [0:0]");
+        line!(
+            filter_rules,
+            "-A {KUBE_FIREWALL} -m comment --comment \"block incoming localnet connections\" -d 127.0.0.0/8 ! -s 127.0.0.0/8 -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT -j DROP"
+        );
     }
 
     let total_endpoints: usize = state.service_ports.iter().map(|s| s.endpoints.len()).sum();
@@ -276,7 +226,7 @@ pub fn render(state: &ProxyState, opts: &RenderOptions) -> Ruleset {
         let proto = svc.protocol.lower();
         let name = svc.name.to_string();
         let chains = names::service_port_chains(&name, proto);
-        let port = svc.port.to_string();
+        let port = svc.port;
         let sets = categorize_endpoints(
             &sps.endpoints,
             svc,
@@ -288,302 +238,280 @@ pub fn render(state: &ProxyState, opts: &RenderOptions) -> Ruleset {
         let uses_cluster_chain = !sets.cluster.is_empty() && svc.uses_cluster_endpoints();
         let uses_local_chain = !sets.local.is_empty() && svc.uses_local_endpoints();
 
-        let mut internal_chain = chains.cluster.clone();
-        let mut has_internal = has_endpoints;
-        if svc.internal_policy_local {
-            internal_chain = chains.local.clone();
-            has_internal = !sets.local.is_empty();
-        }
-        let mut external_policy_chain = chains.cluster.clone();
-        let mut has_external = has_endpoints;
-        if svc.external_policy_local {
-            external_policy_chain = chains.local.clone();
-            has_external = !sets.local.is_empty();
-        }
-        let external_chain = chains.external.clone();
+        let (internal_chain, has_internal) = if svc.internal_policy_local {
+            (&chains.local, !sets.local.is_empty())
+        } else {
+            (&chains.cluster, has_endpoints)
+        };
+        let (external_policy_chain, has_external) = if svc.external_policy_local {
+            (&chains.local, !sets.local.is_empty())
+        } else {
+            (&chains.cluster, has_endpoints)
+        };
+        let external_chain = &chains.external;
         let uses_external_chain = has_endpoints && svc.externally_accessible();
         let uses_fw_chain =
             has_endpoints && !svc.load_balancer_vips.is_empty() && !svc.load_balancer_source_ranges.is_empty();
-        let lb_chain = if uses_fw_chain { chains.firewall.clone() } else { external_chain.clone() };
-
-        let (mut internal_target, mut internal_comment) = ("", String::new());
-        let (mut external_target, mut external_comment) = ("", String::new());
-        if !has_endpoints {
-            internal_target = "REJECT";
-            internal_comment = quoted(&format!("{name} has no endpoints"));
-            external_target = "REJECT";
-            external_comment = internal_comment.clone();
+        let lb_chain = if uses_fw_chain {
+            &chains.firewall
         } else {
-            if !has_internal {
-                internal_target = "DROP";
-                internal_comment = quoted(&format!("{name} has no local endpoints"));
-            }
-            if !has_external {
-                external_target = "DROP";
-                external_comment = quoted(&format!("{name} has no local endpoints"));
-            }
+            external_chain
+        };
+
+        // What filter does with traffic that has no endpoints to go to.
+        let no_endpoints = format!("\"{name} has no endpoints\"");
+        let no_local = format!("\"{name} has no local endpoints\"");
+        let (internal_filter, external_filter) = if !has_endpoints {
+            (Some(("REJECT", &no_endpoints)), Some(("REJECT", &no_endpoints)))
+        } else {
+            (
+                (!has_internal).then_some(("DROP", &no_local)),
+                (!has_external).then_some(("DROP", &no_local)),
+            )
+        };
+
+        let cluster_ip = svc.cluster_ip;
+        match internal_filter {
+            None => line!(
+                nat_rules,
+                "-A {KUBE_SERVICES} -m comment --comment \"{name} cluster IP\" -m {proto} -p {proto} -d {cluster_ip} --dport {port} -j {internal_chain}"
+            ),
+            Some((target, comment)) => line!(
+                filter_rules,
+                "-A {KUBE_SERVICES} -m comment --comment {comment} -m {proto} -p {proto} -d {cluster_ip} --dport {port} -j {target}"
+            ),
         }
 
-        let cluster_ip = svc.cluster_ip.to_string();
-        // Capture the cluster IP.
-        if has_internal {
-            nat_rules.rule(&[
-                "-A", KUBE_SERVICES, "-m", "comment", "--comment", &quoted(&format!("{name} cluster IP")),
-                "-m", proto, "-p", proto, "-d", &cluster_ip, "--dport", &port, "-j", &internal_chain,
-            ]);
-        } else {
-            filter_rules.rule(&[
-                "-A", KUBE_SERVICES, "-m", "comment", "--comment", &internal_comment,
-                "-m", proto, "-p", proto, "-d", &cluster_ip, "--dport", &port, "-j", internal_target,
-            ]);
-        }
-
-        // Capture externalIPs.
         for ext in &svc.external_ips {
-            let ext = ext.to_string();
             if has_endpoints {
-                nat_rules.rule(&[
-                    "-A", KUBE_SERVICES, "-m", "comment", "--comment", &quoted(&format!("{name} external IP")),
-                    "-m", proto, "-p", proto, "-d", &ext, "--dport", &port, "-j", &external_chain,
-                ]);
+                line!(
+                    nat_rules,
+                    "-A {KUBE_SERVICES} -m comment --comment \"{name} external IP\" -m {proto} -p {proto} -d {ext} --dport {port} -j {external_chain}"
+                );
             }
-            if !has_external {
-                filter_rules.rule(&[
-                    "-A", KUBE_EXTERNAL_SERVICES, "-m", "comment", "--comment", &external_comment,
-                    "-m", proto, "-p", proto, "-d", &ext, "--dport", &port, "-j", external_target,
-                ]);
+            if let Some((target, comment)) = external_filter {
+                line!(
+                    filter_rules,
+                    "-A {KUBE_EXTERNAL_SERVICES} -m comment --comment {comment} -m {proto} -p {proto} -d {ext} --dport {port} -j {target}"
+                );
             }
         }
 
-        // Capture load-balancer ingress.
         for lb in &svc.load_balancer_vips {
-            let lb = lb.to_string();
             if has_endpoints {
-                nat_rules.rule(&[
-                    "-A", KUBE_SERVICES, "-m", "comment", "--comment", &quoted(&format!("{name} loadbalancer IP")),
-                    "-m", proto, "-p", proto, "-d", &lb, "--dport", &port, "-j", &lb_chain,
-                ]);
+                line!(
+                    nat_rules,
+                    "-A {KUBE_SERVICES} -m comment --comment \"{name} loadbalancer IP\" -m {proto} -p {proto} -d {lb} --dport {port} -j {lb_chain}"
+                );
             }
             if uses_fw_chain {
-                filter_rules.rule(&[
-                    "-A", KUBE_PROXY_FIREWALL, "-m", "comment", "--comment",
-                    &quoted(&format!("{name} traffic not accepted by {}", chains.firewall)),
-                    "-m", proto, "-p", proto, "-d", &lb, "--dport", &port, "-j", "DROP",
-                ]);
+                line!(
+                    filter_rules,
+                    "-A {KUBE_PROXY_FIREWALL} -m comment --comment \"{name} traffic not accepted by {fw}\" -m {proto} -p {proto} -d {lb} --dport {port} -j DROP",
+                    fw = chains.firewall
+                );
             }
         }
-        if !has_external {
+        if let Some((target, comment)) = external_filter {
             for lb in &svc.load_balancer_vips {
-                filter_rules.rule(&[
-                    "-A", KUBE_EXTERNAL_SERVICES, "-m", "comment", "--comment", &external_comment,
-                    "-m", proto, "-p", proto, "-d", &lb.to_string(), "--dport", &port, "-j", external_target,
-                ]);
+                line!(
+                    filter_rules,
+                    "-A {KUBE_EXTERNAL_SERVICES} -m comment --comment {comment} -m {proto} -p {proto} -d {lb} --dport {port} -j {target}"
+                );
             }
         }
 
-        // Capture nodeports. NodePorts are not subject to loadBalancerSourceRanges (upstream).
-        if svc.node_port != 0 {
-            let node_port = svc.node_port.to_string();
+        // NodePorts are not subject to loadBalancerSourceRanges (upstream behaviour).
+        let node_port = svc.node_port;
+        if node_port != 0 {
             if has_endpoints {
                 if localhost_node_ports && opts.nfacct {
-                    nat_rules.rule(&[
-                        "-A", KUBE_NODEPORTS, "-m", "comment", "--comment", &name, "-m", proto, "-p", proto,
-                        "-d", "127.0.0.0/8", "--dport", &node_port, "-m", "nfacct", "--nfacct-name",
-                        NFACCT_LOCALHOST_NODEPORTS, "-j", &external_chain,
-                    ]);
+                    line!(
+                        nat_rules,
+                        "-A {KUBE_NODEPORTS} -m comment --comment {name} -m {proto} -p {proto} -d 127.0.0.0/8 --dport {node_port} -m nfacct --nfacct-name {NFACCT_LOCALHOST_NODEPORTS} -j {external_chain}"
+                    );
                 }
-                nat_rules.rule(&[
-                    "-A", KUBE_NODEPORTS, "-m", "comment", "--comment", &name, "-m", proto, "-p", proto,
-                    "--dport", &node_port, "-j", &external_chain,
-                ]);
+                line!(
+                    nat_rules,
+                    "-A {KUBE_NODEPORTS} -m comment --comment {name} -m {proto} -p {proto} --dport {node_port} -j {external_chain}"
+                );
             }
-            if !has_external {
-                filter_rules.rule(&[
-                    "-A", KUBE_EXTERNAL_SERVICES, "-m", "comment", "--comment", &external_comment,
-                    "-m", "addrtype", "--dst-type", "LOCAL", "-m", proto, "-p", proto,
-                    "--dport", &node_port, "-j", external_target,
-                ]);
+            if let Some((target, comment)) = external_filter {
+                line!(
+                    filter_rules,
+                    "-A {KUBE_EXTERNAL_SERVICES} -m comment --comment {comment} -m addrtype --dst-type LOCAL -m {proto} -p {proto} --dport {node_port} -j {target}"
+                );
             }
         }
 
-        // Capture healthCheckNodePorts, whether or not the node has local endpoints.
-        if svc.health_check_node_port != 0 {
-            filter_rules.rule(&[
-                "-A", KUBE_NODEPORTS, "-m", "comment", "--comment",
-                &quoted(&format!("{name} health check node port")), "-m", "tcp", "-p", "tcp",
-                "--dport", &svc.health_check_node_port.to_string(), "-j", "ACCEPT",
-            ]);
+        // Health-check node ports are accepted whether or not the node has local endpoints.
+        let hc = svc.health_check_node_port;
+        if hc != 0 {
+            line!(
+                filter_rules,
+                "-A {KUBE_NODEPORTS} -m comment --comment \"{name} health check node port\" -m tcp -p tcp --dport {hc} -j ACCEPT"
+            );
         }
 
-        // Internal traffic handling.
         if has_internal {
-            let mut args: Vec<String> = vec![
-                "-A".into(), internal_chain.clone(), "-m".into(), "comment".into(), "--comment".into(),
-                quoted(&format!("{name} cluster IP")), "-m".into(), proto.into(), "-p".into(), proto.into(),
-                "-d".into(), cluster_ip.clone(), "--dport".into(), port.clone(),
-            ];
+            let cluster_ip_match = format!(
+                "-m comment --comment \"{name} cluster IP\" -m {proto} -p {proto} -d {cluster_ip} --dport {port}"
+            );
             if opts.masquerade_all {
-                args.extend(["-j".into(), KUBE_MARK_MASQ.into()]);
-                nat_rules.rule(&args);
+                line!(nat_rules, "-A {internal_chain} {cluster_ip_match} -j {KUBE_MARK_MASQ}");
             } else if detector.is_implemented() {
                 // Off-cluster traffic to a ClusterIP may bounce off-node: masquerade it.
-                args.extend(detector.if_not_local());
-                args.extend(["-j".into(), KUBE_MARK_MASQ.into()]);
-                nat_rules.rule(&args);
+                line!(
+                    nat_rules,
+                    "-A {internal_chain} {cluster_ip_match} {if_not_local} -j {KUBE_MARK_MASQ}"
+                );
             }
         }
 
-        // External traffic handling.
         if uses_external_chain {
-            nat_chains.chain(&external_chain);
+            line!(nat_chains, ":{external_chain} - [0:0]");
+            let cluster_chain = &chains.cluster;
             if !svc.external_policy_local {
-                nat_rules.rule(&[
-                    "-A", &external_chain, "-m", "comment", "--comment",
-                    &quoted(&format!("masquerade traffic for {name} external destinations")), "-j", KUBE_MARK_MASQ,
-                ]);
+                // Endpoints may be on other nodes: masquerade so replies come back through us.
+                line!(
+                    nat_rules,
+                    "-A {external_chain} -m comment --comment \"masquerade traffic for {name} external destinations\" -j {KUBE_MARK_MASQ}"
+                );
             } else {
+                // Pod traffic to an external address behaves as if it went out to the load
+                // balancer and came back: subject to no traffic policy.
                 if detector.is_implemented() {
-                    let mut args: Vec<String> = vec![
-                        "-A".into(), external_chain.clone(), "-m".into(), "comment".into(), "--comment".into(),
-                        quoted(&format!("pod traffic for {name} external destinations")),
-                    ];
-                    args.extend(detector.if_local());
-                    args.extend(["-j".into(), chains.cluster.clone()]);
-                    nat_rules.rule(&args);
+                    line!(
+                        nat_rules,
+                        "-A {external_chain} -m comment --comment \"pod traffic for {name} external destinations\" {if_local} -j {cluster_chain}"
+                    );
                 }
-                nat_rules.rule(&[
-                    "-A", &external_chain, "-m", "comment", "--comment",
-                    &quoted(&format!("masquerade LOCAL traffic for {name} external destinations")),
-                    "-m", "addrtype", "--src-type", "LOCAL", "-j", KUBE_MARK_MASQ,
-                ]);
-                nat_rules.rule(&[
-                    "-A", &external_chain, "-m", "comment", "--comment",
-                    &quoted(&format!("route LOCAL traffic for {name} external destinations")),
-                    "-m", "addrtype", "--src-type", "LOCAL", "-j", &chains.cluster,
-                ]);
+                line!(
+                    nat_rules,
+                    "-A {external_chain} -m comment --comment \"masquerade LOCAL traffic for {name} external destinations\" -m addrtype --src-type LOCAL -j {KUBE_MARK_MASQ}"
+                );
+                line!(
+                    nat_rules,
+                    "-A {external_chain} -m comment --comment \"route LOCAL traffic for {name} external destinations\" -m addrtype --src-type LOCAL -j {cluster_chain}"
+                );
             }
             if has_external {
-                nat_rules.rule(&["-A", &external_chain, "-j", &external_policy_chain]);
+                line!(nat_rules, "-A {external_chain} -j {external_policy_chain}");
             }
         }
 
-        // Firewall chain for loadBalancerSourceRanges.
         if uses_fw_chain {
-            nat_chains.chain(&chains.firewall);
-            let comment = quoted(&format!("{name} loadbalancer IP"));
+            let fw = &chains.firewall;
+            line!(nat_chains, ":{fw} - [0:0]");
             let mut allow_from_node = false;
             for cidr in &svc.load_balancer_source_ranges {
-                nat_rules.rule(&[
-                    "-A", &chains.firewall, "-m", "comment", "--comment", &comment, "-s", &cidr.to_string(),
-                    "-j", &external_chain,
-                ]);
-                if node_ip.is_some_and(|ip| cidr.contains(&ip)) {
-                    allow_from_node = true;
-                }
+                line!(
+                    nat_rules,
+                    "-A {fw} -m comment --comment \"{name} loadbalancer IP\" -s {cidr} -j {external_chain}"
+                );
+                allow_from_node |= node_ip.is_some_and(|ip| cidr.contains(&ip));
             }
             // A VIP bound locally makes node→VIP traffic loop back with the VIP as source.
             if allow_from_node {
                 for lb in &svc.load_balancer_vips {
-                    nat_rules.rule(&[
-                        "-A", &chains.firewall, "-m", "comment", "--comment", &comment, "-s", &lb.to_string(),
-                        "-j", &external_chain,
-                    ]);
+                    line!(
+                        nat_rules,
+                        "-A {fw} -m comment --comment \"{name} loadbalancer IP\" -s {lb} -j {external_chain}"
+                    );
                 }
             }
-            nat_rules.rule(&[
-                "-A", &chains.firewall, "-m", "comment", "--comment",
-                &quoted(&format!("other traffic to {name} will be dropped by KUBE-PROXY-FIREWALL")),
-            ]);
+            line!(
+                nat_rules,
+                "-A {fw} -m comment --comment \"other traffic to {name} will be dropped by KUBE-PROXY-FIREWALL\""
+            );
         }
 
         if uses_cluster_chain {
-            nat_chains.chain(&chains.cluster);
-            write_service_to_endpoint_rules(&mut nat_rules, &name, svc, &chains.cluster, &sets.cluster, large_cluster);
+            line!(nat_chains, ":{} - [0:0]", chains.cluster);
+            write_service_to_endpoint_rules(
+                &mut nat_rules, &name, svc, &chains.cluster, &sets.cluster, large_cluster,
+            );
         }
         if uses_local_chain {
-            nat_chains.chain(&chains.local);
+            line!(nat_chains, ":{} - [0:0]", chains.local);
             write_service_to_endpoint_rules(&mut nat_rules, &name, svc, &chains.local, &sets.local, large_cluster);
         }
 
         for ep in &sets.all_reachable {
-            let ep_str = ep.to_string();
-            let chain = names::endpoint_chain(&name, proto, &ep_str);
-            nat_chains.chain(&chain);
-            let mut args: Vec<String> = vec!["-A".into(), chain.clone()];
-            if !large_cluster {
-                args.extend(["-m".into(), "comment".into(), "--comment".into(), name.clone()]);
-            }
+            let chain = names::endpoint_chain(&name, proto, &ep.to_string());
+            line!(nat_chains, ":{chain} - [0:0]");
+            let comment = if large_cluster {
+                String::new()
+            } else {
+                format!(" -m comment --comment {name}")
+            };
             // Hairpin: a pod reaching itself through the Service must be masqueraded.
-            let mut hairpin = args.clone();
-            hairpin.extend(["-s".into(), ep.ip.to_string(), "-j".into(), KUBE_MARK_MASQ.into()]);
-            nat_rules.rule(&hairpin);
-            if svc.session_affinity_timeout.is_some() {
-                args.extend(["-m".into(), "recent".into(), "--name".into(), chain.clone(), "--set".into()]);
-            }
-            args.extend([
-                "-m".into(), proto.into(), "-p".into(), proto.into(), "-j".into(), "DNAT".into(),
-                "--to-destination".into(), ep_str,
-            ]);
-            nat_rules.rule(&args);
+            line!(nat_rules, "-A {chain}{comment} -s {ip} -j {KUBE_MARK_MASQ}", ip = ep.ip);
+            let affinity = if svc.session_affinity_timeout.is_some() {
+                format!(" -m recent --name {chain} --set")
+            } else {
+                String::new()
+            };
+            line!(
+                nat_rules,
+                "-A {chain}{comment}{affinity} -m {proto} -p {proto} -j DNAT --to-destination {ep}"
+            );
         }
     }
 
     // The NodePort tail call must stay the last rule of nat KUBE-SERVICES.
-    let nodeports_comment = quoted("kubernetes service nodeports; NOTE: this must be the last rule in this chain");
+    let nodeports_comment = "\"kubernetes service nodeports; NOTE: this must be the last rule in this chain\"";
     if npa.match_all() {
-        let mut args: Vec<String> = vec![
-            "-A".into(), KUBE_SERVICES.into(), "-m".into(), "comment".into(), "--comment".into(),
-            nodeports_comment, "-m".into(), "addrtype".into(), "--dst-type".into(), "LOCAL".into(),
-        ];
         // Localhost NodePorts never work for IPv6, and for IPv4 only with route_localnet.
-        if is_ipv6 {
-            args.extend(["!".into(), "-d".into(), "::1/128".into()]);
+        let not_loopback = if is_ipv6 {
+            " ! -d ::1/128"
         } else if !localhost_node_ports {
-            args.extend(["!".into(), "-d".into(), "127.0.0.0/8".into()]);
-        }
-        args.extend(["-j".into(), KUBE_NODEPORTS.into()]);
-        nat_rules.rule(&args);
+            " ! -d 127.0.0.0/8"
+        } else {
+            ""
+        };
+        line!(
+            nat_rules,
+            "-A {KUBE_SERVICES} -m comment --comment {nodeports_comment} -m addrtype --dst-type LOCAL{not_loopback} -j {KUBE_NODEPORTS}"
+        );
     } else {
         for ip in npa.node_ips(&local_addresses(state)) {
             if ip.is_loopback() && (is_ipv6 || !localhost_node_ports) {
                 continue;
             }
-            nat_rules.rule(&[
-                "-A", KUBE_SERVICES, "-m", "comment", "--comment", &nodeports_comment, "-d", &ip.to_string(),
-                "-j", KUBE_NODEPORTS,
-            ]);
+            line!(
+                nat_rules,
+                "-A {KUBE_SERVICES} -m comment --comment {nodeports_comment} -d {ip} -j {KUBE_NODEPORTS}"
+            );
         }
     }
 
     // Drop INVALID packets, which would otherwise cause resets (upstream issue 74839).
     if !opts.tcp_be_liberal {
-        let mut rule = vec!["-A", KUBE_FORWARD, "-m", "conntrack", "--ctstate", "INVALID"];
-        if opts.nfacct {
-            rule.extend(["-m", "nfacct", "--nfacct-name", NFACCT_CT_STATE_INVALID]);
-        }
-        rule.extend(["-j", "DROP"]);
-        filter_rules.rule(&rule);
+        let nfacct = if opts.nfacct {
+            format!(" -m nfacct --nfacct-name {NFACCT_CT_STATE_INVALID}")
+        } else {
+            String::new()
+        };
+        line!(
+            filter_rules,
+            "-A {KUBE_FORWARD} -m conntrack --ctstate INVALID{nfacct} -j DROP"
+        );
     }
-    filter_rules.rule(&[
-        "-A", KUBE_FORWARD, "-m", "comment", "--comment", &quoted("kubernetes forwarding rules"), "-m", "mark",
-        "--mark", &format!("{mark}/{mark}"), "-j", "ACCEPT",
-    ]);
-    filter_rules.rule(&[
-        "-A", KUBE_FORWARD, "-m", "comment", "--comment", &quoted("kubernetes forwarding conntrack rule"), "-m",
-        "conntrack", "--ctstate", "RELATED,ESTABLISHED", "-j", "ACCEPT",
-    ]);
-
-    let mut restore = String::with_capacity(
-        filter_chains.text.len() + filter_rules.text.len() + nat_chains.text.len() + nat_rules.text.len() + 32,
+    // Forward what we marked even when the FORWARD policy is DROP, and the rest of its flow.
+    line!(
+        filter_rules,
+        "-A {KUBE_FORWARD} -m comment --comment \"kubernetes forwarding rules\" -m mark --mark {mark}/{mark} -j ACCEPT"
     );
-    restore.push_str("*filter\n");
-    restore.push_str(&filter_chains.text);
-    restore.push_str(&filter_rules.text);
-    restore.push_str("COMMIT\n*nat\n");
-    restore.push_str(&nat_chains.text);
-    restore.push_str(&nat_rules.text);
-    restore.push_str("COMMIT\n");
+    line!(
+        filter_rules,
+        "-A {KUBE_FORWARD} -m comment --comment \"kubernetes forwarding conntrack rule\" -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT"
+    );
 
+    let restore = [
+        "*filter\n", &filter_chains, &filter_rules, "COMMIT\n*nat\n", &nat_chains, &nat_rules, "COMMIT\n",
+    ]
+    .concat();
     Ruleset {
         family,
         jumps: jump_rules(),
@@ -592,7 +520,7 @@ pub fn render(state: &ProxyState, opts: &RenderOptions) -> Ruleset {
 }
 
 fn write_service_to_endpoint_rules(
-    rules: &mut Lines,
+    rules: &mut String,
     name: &str,
     svc: &ServicePort,
     chain: &str,
@@ -600,38 +528,34 @@ fn write_service_to_endpoint_rules(
     large_cluster: bool,
 ) {
     let proto = svc.protocol.lower();
-    let comment_args = |ep: &Endpoint| -> Vec<String> {
+    let comment = |ep: &Endpoint| {
         if large_cluster {
-            vec![]
+            String::new()
         } else {
-            vec!["-m".into(), "comment".into(), "--comment".into(), quoted(&format!("{name} -> {ep}"))]
+            format!(" -m comment --comment \"{name} -> {ep}\"")
         }
     };
+    // Affinity first: a client seen recently goes back to the endpoint it used.
     if let Some(timeout) = svc.session_affinity_timeout {
         for ep in endpoints {
             let sep = names::endpoint_chain(name, proto, &ep.to_string());
-            let mut args: Vec<String> = vec!["-A".into(), chain.into()];
-            args.extend(comment_args(ep));
-            args.extend([
-                "-m".into(), "recent".into(), "--name".into(), sep.clone(), "--rcheck".into(), "--seconds".into(),
-                timeout.to_string(), "--reap".into(), "-j".into(), sep,
-            ]);
-            rules.rule(&args);
+            line!(
+                rules,
+                "-A {chain}{c} -m recent --name {sep} --rcheck --seconds {timeout} --reap -j {sep}",
+                c = comment(ep)
+            );
         }
     }
+    // Rule i matches with probability 1/(n-i), so each endpoint gets exactly 1/n.
     let n = endpoints.len();
     for (i, ep) in endpoints.iter().enumerate() {
         let sep = names::endpoint_chain(name, proto, &ep.to_string());
-        let mut args: Vec<String> = vec!["-A".into(), chain.into()];
-        args.extend(comment_args(ep));
-        if i < n - 1 {
-            args.extend([
-                "-m".into(), "statistic".into(), "--mode".into(), "random".into(), "--probability".into(),
-                probability(n - i),
-            ]);
-        }
-        args.extend(["-j".into(), sep]);
-        rules.rule(&args);
+        let statistic = if i + 1 < n {
+            format!(" -m statistic --mode random --probability {}", probability(n - i))
+        } else {
+            String::new()
+        };
+        line!(rules, "-A {chain}{c}{statistic} -j {sep}", c = comment(ep));
     }
 }
 
@@ -640,18 +564,40 @@ fn write_service_to_endpoint_rules(
 pub fn jump_rules() -> Vec<JumpRule> {
     let new = ["-m", "conntrack", "--ctstate", "NEW"];
     let spec: [(&'static str, &'static str, &'static str, &'static str, bool); 14] = [
-        ("filter", "INPUT", KUBE_EXTERNAL_SERVICES, "kubernetes externally-visible service portals", true),
-        ("filter", "FORWARD", KUBE_EXTERNAL_SERVICES, "kubernetes externally-visible service portals", true),
-        ("filter", "INPUT", KUBE_NODEPORTS, "kubernetes health check service ports", false),
+        (
+            "filter",
+            "INPUT",
+            KUBE_EXTERNAL_SERVICES,
+            "kubernetes externally-visible service portals",
+            true,
+        ),
+        (
+            "filter",
+            "FORWARD",
+            KUBE_EXTERNAL_SERVICES,
+            "kubernetes externally-visible service portals",
+            true,
+        ),
+        (
+            "filter", "INPUT", KUBE_NODEPORTS, "kubernetes health check service ports", false,
+        ),
         ("filter", "FORWARD", KUBE_SERVICES, "kubernetes service portals", true),
         ("filter", "OUTPUT", KUBE_SERVICES, "kubernetes service portals", true),
         ("filter", "FORWARD", KUBE_FORWARD, "kubernetes forwarding rules", false),
-        ("filter", "INPUT", KUBE_PROXY_FIREWALL, "kubernetes load balancer firewall", true),
-        ("filter", "OUTPUT", KUBE_PROXY_FIREWALL, "kubernetes load balancer firewall", true),
-        ("filter", "FORWARD", KUBE_PROXY_FIREWALL, "kubernetes load balancer firewall", true),
+        (
+            "filter", "INPUT", KUBE_PROXY_FIREWALL, "kubernetes load balancer firewall", true,
+        ),
+        (
+            "filter", "OUTPUT", KUBE_PROXY_FIREWALL, "kubernetes load balancer firewall", true,
+        ),
+        (
+            "filter", "FORWARD", KUBE_PROXY_FIREWALL, "kubernetes load balancer firewall", true,
+        ),
         ("nat", "OUTPUT", KUBE_SERVICES, "kubernetes service portals", false),
         ("nat", "PREROUTING", KUBE_SERVICES, "kubernetes service portals", false),
-        ("nat", "POSTROUTING", KUBE_POSTROUTING, "kubernetes postrouting rules", false),
+        (
+            "nat", "POSTROUTING", KUBE_POSTROUTING, "kubernetes postrouting rules", false,
+        ),
         ("filter", "INPUT", KUBE_FIREWALL, "", false),
         ("filter", "OUTPUT", KUBE_FIREWALL, "", false),
     ];
@@ -681,7 +627,7 @@ impl JumpRule {
         let args: Vec<String> = self
             .args
             .iter()
-            .map(|a| if a.contains(' ') { quoted(a) } else { a.clone() })
+            .map(|a| if a.contains(' ') { format!("\"{a}\"") } else { a.clone() })
             .collect();
         format!("-t {} -I {} {}", self.table, self.chain, args.join(" "))
     }
@@ -731,7 +677,12 @@ mod tests {
             .filter(|j| j.table == "filter" && j.chain == "INPUT")
             .map(|j| j.args.last().map(String::as_str).unwrap_or(""))
             .collect();
-        assert_eq!(input, vec![KUBE_FIREWALL, KUBE_PROXY_FIREWALL, KUBE_NODEPORTS, KUBE_EXTERNAL_SERVICES]);
+        assert_eq!(
+            input,
+            vec![
+                KUBE_FIREWALL, KUBE_PROXY_FIREWALL, KUBE_NODEPORTS, KUBE_EXTERNAL_SERVICES
+            ]
+        );
     }
 
     #[test]
@@ -746,5 +697,80 @@ mod tests {
         );
         let only_v6 = NodePortAddresses::new(IpFamily::V4, &["fd00::/64".into()], None);
         assert!(only_v6.match_all(), "no CIDR of the family means all addresses");
+    }
+
+    fn state_with_endpoints(n: usize) -> ProxyState {
+        use crate::model::{NodeInfo, Protocol, ServicePortName, ServicePortState};
+        let mut endpoints: Vec<Endpoint> = (0..n)
+            .map(|i| Endpoint::ready(IpAddr::V4(Ipv4Addr::from(0x0a01_0000u32 + i as u32)), 80))
+            .collect();
+        endpoints.sort_by_key(|e| e.to_string());
+        let name = ServicePortName {
+            namespace: "ns".into(),
+            name: "big".into(),
+            port: String::new(),
+            protocol: Protocol::Tcp,
+        };
+        ProxyState {
+            family: IpFamily::V4,
+            node: NodeInfo {
+                name: "n".into(),
+                ..NodeInfo::default()
+            },
+            service_ports: vec![ServicePortState {
+                port: ServicePort::cluster_ip(name, "10.96.0.1".parse().unwrap(), 80),
+                endpoints,
+            }],
+            service_cidrs: vec![],
+            warnings: vec![],
+        }
+    }
+
+    fn opts() -> RenderOptions {
+        RenderOptions {
+            masquerade_all: false,
+            masquerade_bit: 14,
+            localhost_node_ports: true,
+            local_detector: LocalDetector::None,
+            node_port_addresses: vec![],
+            prefer_same_node: true,
+            nfacct: false,
+            tcp_be_liberal: false,
+            random_fully: true,
+        }
+    }
+
+    #[test]
+    fn large_cluster_mode_drops_per_endpoint_comments() {
+        let small = render(&state_with_endpoints(LARGE_CLUSTER_ENDPOINTS_THRESHOLD), &opts());
+        assert!(
+            small
+                .restore
+                .lines()
+                .any(|l| l.starts_with("-A KUBE-SEP-") && l.contains("--comment ns/big"))
+        );
+        let large = render(&state_with_endpoints(LARGE_CLUSTER_ENDPOINTS_THRESHOLD + 1), &opts());
+        let sep_or_svc =
+            |l: &&str| l.starts_with("-A KUBE-SEP-") || (l.starts_with("-A KUBE-SVC-") && l.contains("KUBE-SEP-"));
+        assert!(
+            large
+                .restore
+                .lines()
+                .filter(sep_or_svc)
+                .all(|l| !l.contains("--comment"))
+        );
+        // The service-level rules keep theirs.
+        assert!(large.restore.contains("--comment \"ns/big cluster IP\""));
+    }
+
+    #[test]
+    fn nfacct_and_tcp_be_liberal_change_the_filter_rules() {
+        let mut o = opts();
+        o.nfacct = true;
+        let rs = render(&state_with_endpoints(1), &o);
+        assert!(rs.restore.contains("-A KUBE-FORWARD -m conntrack --ctstate INVALID -m nfacct --nfacct-name ct_state_invalid_dropped_pkts -j DROP"));
+        o.tcp_be_liberal = true;
+        let rs = render(&state_with_endpoints(1), &o);
+        assert!(!rs.restore.contains("INVALID"));
     }
 }

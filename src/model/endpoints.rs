@@ -10,8 +10,8 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 
 use super::services::parse_ip;
 use super::{
-    IpFamily, LABEL_HEADLESS, LABEL_SERVICE_NAME, LABEL_SERVICE_PROXY_NAME, Protocol, ServicePortName,
-    is_valid_name, is_valid_port_name,
+    IpFamily, LABEL_HEADLESS, LABEL_SERVICE_NAME, LABEL_SERVICE_PROXY_NAME, Protocol, ServicePortName, is_valid_name,
+    is_valid_port_name,
 };
 
 /// One endpoint of one service port.
@@ -26,6 +26,22 @@ pub struct Endpoint {
     pub terminating: bool,
     pub zone_hints: BTreeSet<String>,
     pub node_hints: BTreeSet<String>,
+}
+
+impl Endpoint {
+    /// A ready, serving, non-terminating endpoint on another node, without hints.
+    pub fn ready(ip: IpAddr, port: u16) -> Endpoint {
+        Endpoint {
+            ip,
+            port,
+            is_local: false,
+            ready: true,
+            serving: true,
+            terminating: false,
+            zone_hints: BTreeSet::new(),
+            node_hints: BTreeSet::new(),
+        }
+    }
 }
 
 impl fmt::Display for Endpoint {
@@ -48,9 +64,7 @@ pub fn endpoints_by_service_port(
 ) -> HashMap<ServicePortName, Vec<Endpoint>> {
     // Slices in a stable order (namespace, name) so that de-duplication is deterministic.
     let mut ordered: Vec<&EndpointSlice> = slices.iter().collect();
-    ordered.sort_by(|a, b| {
-        (&a.metadata.namespace, &a.metadata.name).cmp(&(&b.metadata.namespace, &b.metadata.name))
-    });
+    ordered.sort_by(|a, b| (&a.metadata.namespace, &a.metadata.name).cmp(&(&b.metadata.namespace, &b.metadata.name)));
     let mut by_port: HashMap<ServicePortName, BTreeMap<String, Endpoint>> = HashMap::new();
     for slice in ordered {
         add_slice(slice, family, node_name, warnings, &mut by_port);
@@ -68,7 +82,11 @@ fn add_slice(
     warnings: &mut Vec<String>,
     by_port: &mut HashMap<ServicePortName, BTreeMap<String, Endpoint>>,
 ) {
-    let namespace = slice.metadata.namespace.clone().unwrap_or_else(|| "default".to_string());
+    let namespace = slice
+        .metadata
+        .namespace
+        .clone()
+        .unwrap_or_else(|| "default".to_string());
     let slice_name = slice.metadata.name.clone().unwrap_or_default();
     let id = format!("EndpointSlice {namespace}/{slice_name}");
     if !is_valid_name(&namespace) || !is_valid_name(&slice_name) {
@@ -82,7 +100,9 @@ fn add_slice(
         return;
     }
     let Some(service) = labels.get(LABEL_SERVICE_NAME) else {
-        warnings.push(format!("{id}: field metadata.labels: no {LABEL_SERVICE_NAME} label; slice skipped"));
+        warnings.push(format!(
+            "{id}: field metadata.labels: no {LABEL_SERVICE_NAME} label; slice skipped"
+        ));
         return;
     };
     if !is_valid_name(&namespace) || !is_valid_name(service) {
@@ -96,7 +116,9 @@ fn add_slice(
         "IPv6" => IpFamily::V6,
         "FQDN" => return,
         other => {
-            warnings.push(format!("{id}: field addressType: unknown address type {other:?}; slice skipped"));
+            warnings.push(format!(
+                "{id}: field addressType: unknown address type {other:?}; slice skipped"
+            ));
             return;
         }
     };
@@ -111,7 +133,9 @@ fn add_slice(
             continue;
         };
         let Some(ip) = parse_ip(raw) else {
-            warnings.push(format!("{id}: field endpoints[{i}].addresses[0]: invalid IP {raw:?}; endpoint skipped"));
+            warnings.push(format!(
+                "{id}: field endpoints[{i}].addresses[0]: invalid IP {raw:?}; endpoint skipped"
+            ));
             continue;
         };
         if !family.contains(&ip) {
@@ -123,7 +147,9 @@ fn add_slice(
             continue;
         }
         if endpoints.iter().any(|e: &Endpoint| e.ip == ip) {
-            warnings.push(format!("{id}: field endpoints[{i}].addresses[0]: duplicate endpoint {ip}; skipped"));
+            warnings.push(format!(
+                "{id}: field endpoints[{i}].addresses[0]: duplicate endpoint {ip}; skipped"
+            ));
             continue;
         }
         let cond = ep.conditions.clone().unwrap_or_default();
@@ -136,8 +162,18 @@ fn add_slice(
             ready: cond.ready.unwrap_or(true),
             serving: cond.serving.unwrap_or(true),
             terminating: cond.terminating.unwrap_or(false),
-            zone_hints: hints.for_zones.unwrap_or_default().into_iter().map(|z| z.name).collect(),
-            node_hints: hints.for_nodes.unwrap_or_default().into_iter().map(|n| n.name).collect(),
+            zone_hints: hints
+                .for_zones
+                .unwrap_or_default()
+                .into_iter()
+                .map(|z| z.name)
+                .collect(),
+            node_hints: hints
+                .for_nodes
+                .unwrap_or_default()
+                .into_iter()
+                .map(|n| n.name)
+                .collect(),
         });
     }
 
@@ -147,19 +183,25 @@ fn add_slice(
             continue;
         };
         if !is_valid_port_name(&port_name) {
-            warnings.push(format!("{id}: field ports[{i}].name: invalid port name {port_name:?}; port skipped"));
+            warnings.push(format!(
+                "{id}: field ports[{i}].name: invalid port name {port_name:?}; port skipped"
+            ));
             continue;
         }
         if number == 0 {
             continue;
         }
         if !(1..=65535).contains(&number) {
-            warnings.push(format!("{id}: field ports[{i}].port: {number} is out of range 1-65535; port skipped"));
+            warnings.push(format!(
+                "{id}: field ports[{i}].port: {number} is out of range 1-65535; port skipped"
+            ));
             continue;
         }
         let proto_raw = port.protocol.as_deref().unwrap_or("TCP");
         let Some(protocol) = Protocol::from_api(proto_raw) else {
-            warnings.push(format!("{id}: field ports[{i}].protocol: unknown protocol {proto_raw:?}; port skipped"));
+            warnings.push(format!(
+                "{id}: field ports[{i}].protocol: unknown protocol {proto_raw:?}; port skipped"
+            ));
             continue;
         };
         let key = ServicePortName {

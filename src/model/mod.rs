@@ -52,11 +52,7 @@ impl NodeInfo {
             name: name.to_string(),
             ..NodeInfo::default()
         };
-        if let Some(node) = objects
-            .nodes
-            .iter()
-            .find(|n| n.metadata.name.as_deref() == Some(name))
-        {
+        if let Some(node) = objects.nodes.iter().find(|n| n.metadata.name.as_deref() == Some(name)) {
             info.labels = node.metadata.labels.clone().unwrap_or_default();
             if let Some(spec) = &node.spec {
                 info.pod_cidrs = spec.pod_cidrs.clone().unwrap_or_default();
@@ -164,8 +160,7 @@ pub fn build_state(objects: &Objects, node: &NodeInfo, family: IpFamily) -> Prox
 pub(crate) fn is_valid_name(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 253
-        && s
-            .bytes()
+        && s.bytes()
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
 }
 
@@ -173,7 +168,6 @@ pub(crate) fn is_valid_name(s: &str) -> bool {
 pub(crate) fn is_valid_port_name(s: &str) -> bool {
     s.is_empty()
         || (s.len() <= 63
-            && s
-                .bytes()
+            && s.bytes()
                 .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-'))
 }

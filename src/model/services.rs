@@ -52,6 +52,24 @@ pub struct ServicePort {
 }
 
 impl ServicePort {
+    /// A plain ClusterIP service port: no NodePort, external addresses, affinity or Local policy.
+    pub fn cluster_ip(name: ServicePortName, cluster_ip: IpAddr, port: u16) -> ServicePort {
+        ServicePort {
+            protocol: name.protocol,
+            name,
+            cluster_ip,
+            port,
+            node_port: 0,
+            external_ips: Vec::new(),
+            load_balancer_vips: Vec::new(),
+            load_balancer_source_ranges: Vec::new(),
+            health_check_node_port: 0,
+            session_affinity_timeout: None,
+            external_policy_local: false,
+            internal_policy_local: false,
+        }
+    }
+
     /// NodePort, LoadBalancer IPs or externalIPs make it reachable from outside.
     pub fn externally_accessible(&self) -> bool {
         self.node_port != 0 || !self.load_balancer_vips.is_empty() || !self.external_ips.is_empty()
@@ -118,15 +136,21 @@ fn service_to_ports(svc: &Service, family: IpFamily, warnings: &mut Vec<String>,
     if spec.type_.as_deref() == Some("ExternalName") {
         return;
     }
-    let Some(cluster_ip) = cluster_ip_of_family(spec.cluster_ip.as_deref(), spec.cluster_ips.as_deref(), family, &id, warnings) else {
+    let Some(cluster_ip) = cluster_ip_of_family(
+        spec.cluster_ip.as_deref(),
+        spec.cluster_ips.as_deref(),
+        family,
+        &id,
+        warnings,
+    ) else {
         return;
     };
 
     let svc_type = spec.type_.as_deref().unwrap_or("ClusterIP");
     let externally_typed = svc_type == "LoadBalancer" || svc_type == "NodePort";
     let external_ips_raw = spec.external_ips.clone().unwrap_or_default();
-    let external_policy_local = (externally_typed || !external_ips_raw.is_empty())
-        && spec.external_traffic_policy.as_deref() == Some("Local");
+    let external_policy_local =
+        (externally_typed || !external_ips_raw.is_empty()) && spec.external_traffic_policy.as_deref() == Some("Local");
     let internal_policy_local = spec.internal_traffic_policy.as_deref() == Some("Local");
 
     let session_affinity_timeout = if spec.session_affinity.as_deref() == Some("ClientIP") {
@@ -153,7 +177,9 @@ fn service_to_ports(svc: &Service, family: IpFamily, warnings: &mut Vec<String>,
         match parse_ip(raw) {
             Some(ip) if family.contains(&ip) => external_ips.push(ip),
             Some(_) => {}
-            None => warnings.push(format!("{id}: field spec.externalIPs[{i}]: invalid IP {raw:?}; skipped")),
+            None => warnings.push(format!(
+                "{id}: field spec.externalIPs[{i}]: invalid IP {raw:?}; skipped"
+            )),
         }
     }
 
@@ -189,7 +215,9 @@ fn service_to_ports(svc: &Service, family: IpFamily, warnings: &mut Vec<String>,
         .and_then(|lb| lb.ingress.clone())
         .unwrap_or_default();
     for (i, ing) in ingress.iter().enumerate() {
-        let Some(raw) = ing.ip.as_deref().filter(|s| !s.is_empty()) else { continue };
+        let Some(raw) = ing.ip.as_deref().filter(|s| !s.is_empty()) else {
+            continue;
+        };
         // ipMode Proxy load balancers deliver to the node, not to the VIP.
         if ing.ip_mode.as_deref().is_some_and(|m| m != "VIP") {
             continue;
@@ -211,28 +239,39 @@ fn service_to_ports(svc: &Service, family: IpFamily, warnings: &mut Vec<String>,
             Some(p) if p != 0 => warnings.push(format!(
                 "{id}: field spec.healthCheckNodePort: {p} is not a valid port; skipped"
             )),
-            _ => warnings.push(format!("{id}: field spec.healthCheckNodePort: Service has no health check node port")),
+            _ => warnings.push(format!(
+                "{id}: field spec.healthCheckNodePort: Service has no health check node port"
+            )),
         }
     }
 
     for (i, port) in spec.ports.clone().unwrap_or_default().iter().enumerate() {
         let port_name = port.name.clone().unwrap_or_default();
         if !is_valid_port_name(&port_name) {
-            warnings.push(format!("{id}: field spec.ports[{i}].name: invalid port name {port_name:?}; port skipped"));
+            warnings.push(format!(
+                "{id}: field spec.ports[{i}].name: invalid port name {port_name:?}; port skipped"
+            ));
             continue;
         }
         let proto_raw = port.protocol.as_deref().unwrap_or("TCP");
         let Some(protocol) = Protocol::from_api(proto_raw) else {
-            warnings.push(format!("{id}: field spec.ports[{i}].protocol: unknown protocol {proto_raw:?}; port skipped"));
+            warnings.push(format!(
+                "{id}: field spec.ports[{i}].protocol: unknown protocol {proto_raw:?}; port skipped"
+            ));
             continue;
         };
         if !(1..=65535).contains(&port.port) {
-            warnings.push(format!("{id}: field spec.ports[{i}].port: {} is out of range 1-65535; port skipped", port.port));
+            warnings.push(format!(
+                "{id}: field spec.ports[{i}].port: {} is out of range 1-65535; port skipped",
+                port.port
+            ));
             continue;
         }
         let node_port = port.node_port.unwrap_or(0);
         if !(0..=65535).contains(&node_port) {
-            warnings.push(format!("{id}: field spec.ports[{i}].nodePort: {node_port} is out of range 1-65535; port skipped"));
+            warnings.push(format!(
+                "{id}: field spec.ports[{i}].nodePort: {node_port} is out of range 1-65535; port skipped"
+            ));
             continue;
         }
         out.push(ServicePort {
@@ -272,7 +311,10 @@ fn cluster_ip_of_family(
             .enumerate()
             .map(|(i, s)| (format!("spec.clusterIPs[{i}]"), s.as_str()))
             .collect(),
-        _ => cluster_ip.map(|s| ("spec.clusterIP".to_string(), s)).into_iter().collect(),
+        _ => cluster_ip
+            .map(|s| ("spec.clusterIP".to_string(), s))
+            .into_iter()
+            .collect(),
     };
     for (field, raw) in &candidates {
         match parse_ip(raw) {

@@ -75,11 +75,12 @@ pub fn restore_inputs(rendered: &str) -> Vec<(bool, String)> {
             out.push((true, String::new()));
         } else if line.starts_with("# iptables-restore") {
             out.push((false, String::new()));
-        } else if !line.starts_with('#') && !line.is_empty() {
-            if let Some(last) = out.last_mut() {
-                last.1.push_str(line);
-                last.1.push('\n');
-            }
+        } else if !line.starts_with('#')
+            && !line.is_empty()
+            && let Some(last) = out.last_mut()
+        {
+            last.1.push_str(line);
+            last.1.push('\n');
         }
     }
     out
