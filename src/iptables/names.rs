@@ -44,6 +44,12 @@ pub struct ServicePortChains {
 }
 
 /// Chains of the service port `name` (`ns/svc[:port]`) with protocol `protocol_lower` (`tcp`).
+///
+/// ```
+/// use kube_proxy::iptables::names::service_port_chains;
+/// // The example from upstream's proxier tests.
+/// assert_eq!(service_port_chains("ns1/svc1:p80", "tcp").cluster, "KUBE-SVC-XPGD46QRK7WJZT7O");
+/// ```
 pub fn service_port_chains(name: &str, protocol_lower: &str) -> ServicePortChains {
     let h = hash16(&format!("{name}{protocol_lower}"));
     ServicePortChains {
@@ -55,6 +61,11 @@ pub fn service_port_chains(name: &str, protocol_lower: &str) -> ServicePortChain
 }
 
 /// `KUBE-SEP-…` for an endpoint written as `ip:port` (`[ip6]:port` for IPv6).
+///
+/// ```
+/// use kube_proxy::iptables::names::endpoint_chain;
+/// assert_eq!(endpoint_chain("ns1/svc1:p80", "tcp", "10.180.0.1:80"), "KUBE-SEP-SXIVWICOYRO3J4NJ");
+/// ```
 pub fn endpoint_chain(name: &str, protocol_lower: &str, endpoint: &str) -> String {
     format!("{SEP_PREFIX}{}", hash16(&format!("{name}{protocol_lower}{endpoint}")))
 }
