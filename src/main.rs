@@ -223,8 +223,10 @@ fn render(cfg: &ProxyConfig, args: RenderArgs) -> anyhow::Result<ExitCode> {
     };
     let rendered = app::render_iptables(&objects, cfg, &families);
     let mut out = String::new();
+    // A Service-level problem is found once per family; report it once.
+    let mut reported = std::collections::HashSet::new();
     for (i, fr) in rendered.iter().enumerate() {
-        for w in &fr.state.warnings {
+        for w in fr.state.warnings.iter().filter(|w| reported.insert(w.as_str())) {
             eprintln!("warning: {w}");
         }
         if i > 0 {
