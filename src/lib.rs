@@ -10,6 +10,8 @@
 
 pub mod app;
 pub mod config;
+pub mod conntrack;
 pub mod iptables;
+pub mod lab;
 pub mod manifest;
 pub mod model;

@@ -35,6 +35,25 @@ enum Command {
     Render(RenderArgs),
     /// Follow one new packet through the rules rendered for the given manifests.
     Trace(TraceArgs),
+    /// Build a throw-away node, pods and an outside host in network namespaces, run the proxy
+    /// there and show what it does (needs root; never touches the root namespace).
+    Lab(LabArgs),
+}
+
+#[derive(Args, Debug)]
+struct LabArgs {
+    #[command(subcommand)]
+    action: Option<LabAction>,
+}
+
+#[derive(Subcommand, Debug)]
+enum LabAction {
+    /// A TCP+UDP server that answers with its name (used inside lab and test namespaces).
+    #[command(hide = true)]
+    Serve(kube_proxy::lab::probe::ServeArgs),
+    /// A client that opens connections or sends datagrams and reports who answered.
+    #[command(hide = true)]
+    Probe(kube_proxy::lab::probe::ProbeArgs),
 }
 
 /// Upstream kube-proxy flags that shape the rules (same names, defaults and meaning).
@@ -192,6 +211,11 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         ),
         Some(Command::Render(args)) => render(&cfg, args),
         Some(Command::Trace(args)) => trace_cmd(&cfg, args),
+        Some(Command::Lab(args)) => match args.action {
+            Some(LabAction::Serve(a)) => kube_proxy::lab::probe::serve(&a).map(|_| ExitCode::SUCCESS),
+            Some(LabAction::Probe(a)) => kube_proxy::lab::probe::probe(&a).map(|_| ExitCode::SUCCESS),
+            None => bail!("the lab is not available in this build yet"),
+        },
     }
 }
 

@@ -1,0 +1,1 @@
+//! Placeholder: stale UDP conntrack cleanup (being written).
