@@ -14,7 +14,7 @@ use ipnet::IpNet;
 use super::names::{self, *};
 use super::{JumpRule, Ruleset};
 use crate::config::{LocalDetector, ProxyConfig};
-use crate::model::{Endpoint, IpFamily, ProxyState, ServicePort, categorize_endpoints};
+use crate::model::{Endpoint, IpFamily, ProxyState, ServicePort, ServicePortState, categorize_endpoints};
 
 /// Above this many endpoints upstream drops per-endpoint comments to keep the ruleset small.
 pub const LARGE_CLUSTER_ENDPOINTS_THRESHOLD: usize = 1000;
@@ -170,350 +170,437 @@ pub fn masquerade_mark(bit: u8) -> String {
     format!("{:#08x}", 1u64 << bit)
 }
 
-/// Renders the full-sync ruleset of one family.
-pub fn render(state: &ProxyState, opts: &RenderOptions) -> Ruleset {
-    let family = state.family;
-    let is_ipv6 = family == IpFamily::V6;
-    let mark = masquerade_mark(opts.masquerade_bit);
-    let node_ip = state.node.primary_ip(family);
-    let npa = NodePortAddresses::new(family, &opts.node_port_addresses, node_ip);
-    let localhost_node_ports = opts.localhost_node_ports && !is_ipv6 && npa.contains_ipv4_loopback();
-    let detector = &opts.local_detector;
-    let if_local = detector.if_local().join(" ");
-    let if_not_local = detector.if_not_local().join(" ");
+/// Everything that is the same for every service port during one sync.
+#[derive(Clone, Debug)]
+pub struct RenderContext {
+    pub opts: RenderOptions,
+    pub family: IpFamily,
+    pub node_name: String,
+    pub zone: Option<String>,
+    /// The node's primary IP of this family (for the "allow from the node" firewall rule).
+    pub node_ip: Option<IpAddr>,
+    pub node_port_addresses: NodePortAddresses,
+    /// Localhost NodePorts in effect (IPv4, enabled, and loopback among nodePortAddresses).
+    pub localhost_node_ports: bool,
+    /// More than [`LARGE_CLUSTER_ENDPOINTS_THRESHOLD`] endpoints: per-endpoint comments dropped.
+    pub large_cluster: bool,
+    /// The addresses the NodePort tail rule is restricted to (when not match-all).
+    pub local_addresses: Vec<IpAddr>,
+    mark: String,
+    if_local: String,
+    if_not_local: String,
+}
 
-    let mut filter_chains = String::new();
-    let mut filter_rules = String::new();
-    let mut nat_chains = String::new();
-    let mut nat_rules = String::new();
-
-    for c in [
-        KUBE_SERVICES, KUBE_EXTERNAL_SERVICES, KUBE_FORWARD, KUBE_NODEPORTS, KUBE_PROXY_FIREWALL,
-    ] {
-        line!(filter_chains, ":{c} - [0:0]");
+impl RenderContext {
+    pub fn new(state: &ProxyState, opts: &RenderOptions) -> RenderContext {
+        let family = state.family;
+        let node_ip = state.node.primary_ip(family);
+        let npa = NodePortAddresses::new(family, &opts.node_port_addresses, node_ip);
+        let localhost_node_ports = opts.localhost_node_ports && family == IpFamily::V4 && npa.contains_ipv4_loopback();
+        let total_endpoints: usize = state.service_ports.iter().map(|s| s.endpoints.len()).sum();
+        RenderContext {
+            family,
+            node_name: state.node.name.clone(),
+            zone: state.node.zone().map(str::to_string),
+            node_ip,
+            node_port_addresses: npa,
+            localhost_node_ports,
+            large_cluster: total_endpoints > LARGE_CLUSTER_ENDPOINTS_THRESHOLD,
+            local_addresses: local_addresses(state),
+            mark: masquerade_mark(opts.masquerade_bit),
+            if_local: opts.local_detector.if_local().join(" "),
+            if_not_local: opts.local_detector.if_not_local().join(" "),
+            opts: opts.clone(),
+        }
     }
-    for c in [KUBE_SERVICES, KUBE_NODEPORTS, KUBE_POSTROUTING, KUBE_MARK_MASQ] {
-        line!(nat_chains, ":{c} - [0:0]");
+}
+
+/// The rules of one service port, split by where they go, so that a partial sync can rewrite
+/// the chains of changed services only.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ServiceFragment {
+    /// Lines for the filter table's fixed chains (REJECT/DROP, firewall, health check).
+    pub filter_rules: String,
+    /// Lines appended to nat KUBE-SERVICES.
+    pub services_rules: String,
+    /// Lines appended to nat KUBE-NODEPORTS.
+    pub nodeports_rules: String,
+    /// The service's own nat chains (KUBE-SVC/SVL/EXT/FW/SEP), in declaration order.
+    pub chains: Vec<String>,
+    /// Lines of those chains.
+    pub chain_rules: String,
+    /// Whether the service has usable endpoints anywhere (REJECT when false).
+    pub has_endpoints: bool,
+}
+
+/// Renders the rules of one service port. The order of lines is upstream's.
+pub fn render_service(sps: &ServicePortState, ctx: &RenderContext) -> ServiceFragment {
+    let opts = &ctx.opts;
+    let svc = &sps.port;
+    let proto = svc.protocol.lower();
+    let name = svc.name.to_string();
+    let chains = names::service_port_chains(&name, proto);
+    let port = svc.port;
+    let sets = categorize_endpoints(
+        &sps.endpoints,
+        svc,
+        &ctx.node_name,
+        ctx.zone.as_deref(),
+        opts.prefer_same_node,
+    );
+    let has_endpoints = sets.has_any;
+    let uses_cluster_chain = !sets.cluster.is_empty() && svc.uses_cluster_endpoints();
+    let uses_local_chain = !sets.local.is_empty() && svc.uses_local_endpoints();
+    let mut f = ServiceFragment {
+        has_endpoints,
+        ..ServiceFragment::default()
+    };
+
+    let (internal_chain, has_internal) = if svc.internal_policy_local {
+        (&chains.local, !sets.local.is_empty())
+    } else {
+        (&chains.cluster, has_endpoints)
+    };
+    let (external_policy_chain, has_external) = if svc.external_policy_local {
+        (&chains.local, !sets.local.is_empty())
+    } else {
+        (&chains.cluster, has_endpoints)
+    };
+    let external_chain = &chains.external;
+    let uses_external_chain = has_endpoints && svc.externally_accessible();
+    let uses_fw_chain =
+        has_endpoints && !svc.load_balancer_vips.is_empty() && !svc.load_balancer_source_ranges.is_empty();
+    let lb_chain = if uses_fw_chain {
+        &chains.firewall
+    } else {
+        external_chain
+    };
+
+    // What filter does with traffic that has no endpoints to go to.
+    let no_endpoints = format!("\"{name} has no endpoints\"");
+    let no_local = format!("\"{name} has no local endpoints\"");
+    let (internal_filter, external_filter) = if !has_endpoints {
+        (Some(("REJECT", &no_endpoints)), Some(("REJECT", &no_endpoints)))
+    } else {
+        (
+            (!has_internal).then_some(("DROP", &no_local)),
+            (!has_external).then_some(("DROP", &no_local)),
+        )
+    };
+
+    let cluster_ip = svc.cluster_ip;
+    match internal_filter {
+        None => line!(
+            f.services_rules,
+            "-A {KUBE_SERVICES} -m comment --comment \"{name} cluster IP\" -m {proto} -p {proto} -d {cluster_ip} --dport {port} -j {internal_chain}"
+        ),
+        Some((target, comment)) => line!(
+            f.filter_rules,
+            "-A {KUBE_SERVICES} -m comment --comment {comment} -m {proto} -p {proto} -d {cluster_ip} --dport {port} -j {target}"
+        ),
     }
 
-    line!(
-        nat_rules,
-        "-A {KUBE_POSTROUTING} -m mark ! --mark {mark}/{mark} -j RETURN"
-    );
-    // Clear the mark so that a packet re-traversing the stack is not masqueraded twice.
-    line!(nat_rules, "-A {KUBE_POSTROUTING} -j MARK --xor-mark {mark}");
-    let random_fully = if opts.random_fully { " --random-fully" } else { "" };
-    line!(
-        nat_rules,
-        "-A {KUBE_POSTROUTING} -m comment --comment \"kubernetes service traffic requiring SNAT\" -j MASQUERADE{random_fully}"
-    );
-    line!(nat_rules, "-A {KUBE_MARK_MASQ} -j MARK --or-mark {mark}");
+    for ext in &svc.external_ips {
+        if has_endpoints {
+            line!(
+                f.services_rules,
+                "-A {KUBE_SERVICES} -m comment --comment \"{name} external IP\" -m {proto} -p {proto} -d {ext} --dport {port} -j {external_chain}"
+            );
+        }
+        if let Some((target, comment)) = external_filter {
+            line!(
+                f.filter_rules,
+                "-A {KUBE_EXTERNAL_SERVICES} -m comment --comment {comment} -m {proto} -p {proto} -d {ext} --dport {port} -j {target}"
+            );
+        }
+    }
 
-    if localhost_node_ports {
-        // Mitigates the route_localnet exposure (upstream issue 90259); kubelet has a twin.
-        line!(filter_chains, ":{KUBE_FIREWALL} - [0:0]");
+    for lb in &svc.load_balancer_vips {
+        if has_endpoints {
+            line!(
+                f.services_rules,
+                "-A {KUBE_SERVICES} -m comment --comment \"{name} loadbalancer IP\" -m {proto} -p {proto} -d {lb} --dport {port} -j {lb_chain}"
+            );
+        }
+        if uses_fw_chain {
+            line!(
+                f.filter_rules,
+                "-A {KUBE_PROXY_FIREWALL} -m comment --comment \"{name} traffic not accepted by {fw}\" -m {proto} -p {proto} -d {lb} --dport {port} -j DROP",
+                fw = chains.firewall
+            );
+        }
+    }
+    if let Some((target, comment)) = external_filter {
+        for lb in &svc.load_balancer_vips {
+            line!(
+                f.filter_rules,
+                "-A {KUBE_EXTERNAL_SERVICES} -m comment --comment {comment} -m {proto} -p {proto} -d {lb} --dport {port} -j {target}"
+            );
+        }
+    }
+
+    // NodePorts are not subject to loadBalancerSourceRanges (upstream behaviour).
+    let node_port = svc.node_port;
+    if node_port != 0 {
+        if has_endpoints {
+            if ctx.localhost_node_ports && opts.nfacct {
+                line!(
+                    f.nodeports_rules,
+                    "-A {KUBE_NODEPORTS} -m comment --comment {name} -m {proto} -p {proto} -d 127.0.0.0/8 --dport {node_port} -m nfacct --nfacct-name {NFACCT_LOCALHOST_NODEPORTS} -j {external_chain}"
+                );
+            }
+            line!(
+                f.nodeports_rules,
+                "-A {KUBE_NODEPORTS} -m comment --comment {name} -m {proto} -p {proto} --dport {node_port} -j {external_chain}"
+            );
+        }
+        if let Some((target, comment)) = external_filter {
+            line!(
+                f.filter_rules,
+                "-A {KUBE_EXTERNAL_SERVICES} -m comment --comment {comment} -m addrtype --dst-type LOCAL -m {proto} -p {proto} --dport {node_port} -j {target}"
+            );
+        }
+    }
+
+    // Health-check node ports are accepted whether or not the node has local endpoints.
+    let hc = svc.health_check_node_port;
+    if hc != 0 {
         line!(
-            filter_rules,
+            f.filter_rules,
+            "-A {KUBE_NODEPORTS} -m comment --comment \"{name} health check node port\" -m tcp -p tcp --dport {hc} -j ACCEPT"
+        );
+    }
+
+    let rules = &mut f.chain_rules;
+    if has_internal {
+        let cluster_ip_match =
+            format!("-m comment --comment \"{name} cluster IP\" -m {proto} -p {proto} -d {cluster_ip} --dport {port}");
+        if opts.masquerade_all {
+            line!(rules, "-A {internal_chain} {cluster_ip_match} -j {KUBE_MARK_MASQ}");
+        } else if opts.local_detector.is_implemented() {
+            // Off-cluster traffic to a ClusterIP may bounce off-node: masquerade it.
+            line!(
+                rules,
+                "-A {internal_chain} {cluster_ip_match} {} -j {KUBE_MARK_MASQ}",
+                ctx.if_not_local
+            );
+        }
+    }
+
+    if uses_external_chain {
+        f.chains.push(external_chain.clone());
+        let cluster_chain = &chains.cluster;
+        if !svc.external_policy_local {
+            // Endpoints may be on other nodes: masquerade so replies come back through us.
+            line!(
+                rules,
+                "-A {external_chain} -m comment --comment \"masquerade traffic for {name} external destinations\" -j {KUBE_MARK_MASQ}"
+            );
+        } else {
+            // Pod traffic to an external address behaves as if it went out to the load
+            // balancer and came back: subject to no traffic policy.
+            if opts.local_detector.is_implemented() {
+                line!(
+                    rules,
+                    "-A {external_chain} -m comment --comment \"pod traffic for {name} external destinations\" {} -j {cluster_chain}",
+                    ctx.if_local
+                );
+            }
+            line!(
+                rules,
+                "-A {external_chain} -m comment --comment \"masquerade LOCAL traffic for {name} external destinations\" -m addrtype --src-type LOCAL -j {KUBE_MARK_MASQ}"
+            );
+            line!(
+                rules,
+                "-A {external_chain} -m comment --comment \"route LOCAL traffic for {name} external destinations\" -m addrtype --src-type LOCAL -j {cluster_chain}"
+            );
+        }
+        if has_external {
+            line!(rules, "-A {external_chain} -j {external_policy_chain}");
+        }
+    }
+
+    if uses_fw_chain {
+        let fw = &chains.firewall;
+        f.chains.push(fw.clone());
+        let mut allow_from_node = false;
+        for cidr in &svc.load_balancer_source_ranges {
+            line!(
+                rules,
+                "-A {fw} -m comment --comment \"{name} loadbalancer IP\" -s {cidr} -j {external_chain}"
+            );
+            allow_from_node |= ctx.node_ip.is_some_and(|ip| cidr.contains(&ip));
+        }
+        // A VIP bound locally makes node→VIP traffic loop back with the VIP as source.
+        if allow_from_node {
+            for lb in &svc.load_balancer_vips {
+                line!(
+                    rules,
+                    "-A {fw} -m comment --comment \"{name} loadbalancer IP\" -s {lb} -j {external_chain}"
+                );
+            }
+        }
+        line!(
+            rules,
+            "-A {fw} -m comment --comment \"other traffic to {name} will be dropped by KUBE-PROXY-FIREWALL\""
+        );
+    }
+
+    if uses_cluster_chain {
+        f.chains.push(chains.cluster.clone());
+        write_service_to_endpoint_rules(rules, &name, svc, &chains.cluster, &sets.cluster, ctx.large_cluster);
+    }
+    if uses_local_chain {
+        f.chains.push(chains.local.clone());
+        write_service_to_endpoint_rules(rules, &name, svc, &chains.local, &sets.local, ctx.large_cluster);
+    }
+
+    for ep in &sets.all_reachable {
+        let chain = names::endpoint_chain(&name, proto, &ep.to_string());
+        let comment = if ctx.large_cluster {
+            String::new()
+        } else {
+            format!(" -m comment --comment {name}")
+        };
+        // Hairpin: a pod reaching itself through the Service must be masqueraded.
+        line!(rules, "-A {chain}{comment} -s {ip} -j {KUBE_MARK_MASQ}", ip = ep.ip);
+        let affinity = if svc.session_affinity_timeout.is_some() {
+            format!(" -m recent --name {chain} --set")
+        } else {
+            String::new()
+        };
+        line!(
+            rules,
+            "-A {chain}{comment}{affinity} -m {proto} -p {proto} -j DNAT --to-destination {ep}"
+        );
+        f.chains.push(chain);
+    }
+    f
+}
+
+/// The fixed chains of each table, in upstream's declaration order.
+pub const FILTER_CHAINS: [&str; 5] = [
+    KUBE_SERVICES, KUBE_EXTERNAL_SERVICES, KUBE_FORWARD, KUBE_NODEPORTS, KUBE_PROXY_FIREWALL,
+];
+pub const NAT_CHAINS: [&str; 4] = [KUBE_SERVICES, KUBE_NODEPORTS, KUBE_POSTROUTING, KUBE_MARK_MASQ];
+
+/// The whole `*filter` section, which depends on every service (it is small: only services
+/// without (local) endpoints, firewalls and health checks add to it).
+pub fn filter_section<'a>(ctx: &RenderContext, fragments: impl Iterator<Item = &'a ServiceFragment>) -> String {
+    let mark = &ctx.mark;
+    let mut s = String::from("*filter\n");
+    for c in FILTER_CHAINS {
+        line!(s, ":{c} - [0:0]");
+    }
+    if ctx.localhost_node_ports {
+        line!(s, ":{KUBE_FIREWALL} - [0:0]");
+        // Mitigates the route_localnet exposure (upstream issue 90259); kubelet has a twin.
+        line!(
+            s,
             "-A {KUBE_FIREWALL} -m comment --comment \"block incoming localnet connections\" -d 127.0.0.0/8 ! -s 127.0.0.0/8 -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT -j DROP"
         );
     }
-
-    let total_endpoints: usize = state.service_ports.iter().map(|s| s.endpoints.len()).sum();
-    let large_cluster = total_endpoints > LARGE_CLUSTER_ENDPOINTS_THRESHOLD;
-
-    for sps in &state.service_ports {
-        let svc = &sps.port;
-        let proto = svc.protocol.lower();
-        let name = svc.name.to_string();
-        let chains = names::service_port_chains(&name, proto);
-        let port = svc.port;
-        let sets = categorize_endpoints(
-            &sps.endpoints,
-            svc,
-            &state.node.name,
-            state.node.zone(),
-            opts.prefer_same_node,
-        );
-        let has_endpoints = sets.has_any;
-        let uses_cluster_chain = !sets.cluster.is_empty() && svc.uses_cluster_endpoints();
-        let uses_local_chain = !sets.local.is_empty() && svc.uses_local_endpoints();
-
-        let (internal_chain, has_internal) = if svc.internal_policy_local {
-            (&chains.local, !sets.local.is_empty())
-        } else {
-            (&chains.cluster, has_endpoints)
-        };
-        let (external_policy_chain, has_external) = if svc.external_policy_local {
-            (&chains.local, !sets.local.is_empty())
-        } else {
-            (&chains.cluster, has_endpoints)
-        };
-        let external_chain = &chains.external;
-        let uses_external_chain = has_endpoints && svc.externally_accessible();
-        let uses_fw_chain =
-            has_endpoints && !svc.load_balancer_vips.is_empty() && !svc.load_balancer_source_ranges.is_empty();
-        let lb_chain = if uses_fw_chain {
-            &chains.firewall
-        } else {
-            external_chain
-        };
-
-        // What filter does with traffic that has no endpoints to go to.
-        let no_endpoints = format!("\"{name} has no endpoints\"");
-        let no_local = format!("\"{name} has no local endpoints\"");
-        let (internal_filter, external_filter) = if !has_endpoints {
-            (Some(("REJECT", &no_endpoints)), Some(("REJECT", &no_endpoints)))
-        } else {
-            (
-                (!has_internal).then_some(("DROP", &no_local)),
-                (!has_external).then_some(("DROP", &no_local)),
-            )
-        };
-
-        let cluster_ip = svc.cluster_ip;
-        match internal_filter {
-            None => line!(
-                nat_rules,
-                "-A {KUBE_SERVICES} -m comment --comment \"{name} cluster IP\" -m {proto} -p {proto} -d {cluster_ip} --dport {port} -j {internal_chain}"
-            ),
-            Some((target, comment)) => line!(
-                filter_rules,
-                "-A {KUBE_SERVICES} -m comment --comment {comment} -m {proto} -p {proto} -d {cluster_ip} --dport {port} -j {target}"
-            ),
-        }
-
-        for ext in &svc.external_ips {
-            if has_endpoints {
-                line!(
-                    nat_rules,
-                    "-A {KUBE_SERVICES} -m comment --comment \"{name} external IP\" -m {proto} -p {proto} -d {ext} --dport {port} -j {external_chain}"
-                );
-            }
-            if let Some((target, comment)) = external_filter {
-                line!(
-                    filter_rules,
-                    "-A {KUBE_EXTERNAL_SERVICES} -m comment --comment {comment} -m {proto} -p {proto} -d {ext} --dport {port} -j {target}"
-                );
-            }
-        }
-
-        for lb in &svc.load_balancer_vips {
-            if has_endpoints {
-                line!(
-                    nat_rules,
-                    "-A {KUBE_SERVICES} -m comment --comment \"{name} loadbalancer IP\" -m {proto} -p {proto} -d {lb} --dport {port} -j {lb_chain}"
-                );
-            }
-            if uses_fw_chain {
-                line!(
-                    filter_rules,
-                    "-A {KUBE_PROXY_FIREWALL} -m comment --comment \"{name} traffic not accepted by {fw}\" -m {proto} -p {proto} -d {lb} --dport {port} -j DROP",
-                    fw = chains.firewall
-                );
-            }
-        }
-        if let Some((target, comment)) = external_filter {
-            for lb in &svc.load_balancer_vips {
-                line!(
-                    filter_rules,
-                    "-A {KUBE_EXTERNAL_SERVICES} -m comment --comment {comment} -m {proto} -p {proto} -d {lb} --dport {port} -j {target}"
-                );
-            }
-        }
-
-        // NodePorts are not subject to loadBalancerSourceRanges (upstream behaviour).
-        let node_port = svc.node_port;
-        if node_port != 0 {
-            if has_endpoints {
-                if localhost_node_ports && opts.nfacct {
-                    line!(
-                        nat_rules,
-                        "-A {KUBE_NODEPORTS} -m comment --comment {name} -m {proto} -p {proto} -d 127.0.0.0/8 --dport {node_port} -m nfacct --nfacct-name {NFACCT_LOCALHOST_NODEPORTS} -j {external_chain}"
-                    );
-                }
-                line!(
-                    nat_rules,
-                    "-A {KUBE_NODEPORTS} -m comment --comment {name} -m {proto} -p {proto} --dport {node_port} -j {external_chain}"
-                );
-            }
-            if let Some((target, comment)) = external_filter {
-                line!(
-                    filter_rules,
-                    "-A {KUBE_EXTERNAL_SERVICES} -m comment --comment {comment} -m addrtype --dst-type LOCAL -m {proto} -p {proto} --dport {node_port} -j {target}"
-                );
-            }
-        }
-
-        // Health-check node ports are accepted whether or not the node has local endpoints.
-        let hc = svc.health_check_node_port;
-        if hc != 0 {
-            line!(
-                filter_rules,
-                "-A {KUBE_NODEPORTS} -m comment --comment \"{name} health check node port\" -m tcp -p tcp --dport {hc} -j ACCEPT"
-            );
-        }
-
-        if has_internal {
-            let cluster_ip_match = format!(
-                "-m comment --comment \"{name} cluster IP\" -m {proto} -p {proto} -d {cluster_ip} --dport {port}"
-            );
-            if opts.masquerade_all {
-                line!(nat_rules, "-A {internal_chain} {cluster_ip_match} -j {KUBE_MARK_MASQ}");
-            } else if detector.is_implemented() {
-                // Off-cluster traffic to a ClusterIP may bounce off-node: masquerade it.
-                line!(
-                    nat_rules,
-                    "-A {internal_chain} {cluster_ip_match} {if_not_local} -j {KUBE_MARK_MASQ}"
-                );
-            }
-        }
-
-        if uses_external_chain {
-            line!(nat_chains, ":{external_chain} - [0:0]");
-            let cluster_chain = &chains.cluster;
-            if !svc.external_policy_local {
-                // Endpoints may be on other nodes: masquerade so replies come back through us.
-                line!(
-                    nat_rules,
-                    "-A {external_chain} -m comment --comment \"masquerade traffic for {name} external destinations\" -j {KUBE_MARK_MASQ}"
-                );
-            } else {
-                // Pod traffic to an external address behaves as if it went out to the load
-                // balancer and came back: subject to no traffic policy.
-                if detector.is_implemented() {
-                    line!(
-                        nat_rules,
-                        "-A {external_chain} -m comment --comment \"pod traffic for {name} external destinations\" {if_local} -j {cluster_chain}"
-                    );
-                }
-                line!(
-                    nat_rules,
-                    "-A {external_chain} -m comment --comment \"masquerade LOCAL traffic for {name} external destinations\" -m addrtype --src-type LOCAL -j {KUBE_MARK_MASQ}"
-                );
-                line!(
-                    nat_rules,
-                    "-A {external_chain} -m comment --comment \"route LOCAL traffic for {name} external destinations\" -m addrtype --src-type LOCAL -j {cluster_chain}"
-                );
-            }
-            if has_external {
-                line!(nat_rules, "-A {external_chain} -j {external_policy_chain}");
-            }
-        }
-
-        if uses_fw_chain {
-            let fw = &chains.firewall;
-            line!(nat_chains, ":{fw} - [0:0]");
-            let mut allow_from_node = false;
-            for cidr in &svc.load_balancer_source_ranges {
-                line!(
-                    nat_rules,
-                    "-A {fw} -m comment --comment \"{name} loadbalancer IP\" -s {cidr} -j {external_chain}"
-                );
-                allow_from_node |= node_ip.is_some_and(|ip| cidr.contains(&ip));
-            }
-            // A VIP bound locally makes node→VIP traffic loop back with the VIP as source.
-            if allow_from_node {
-                for lb in &svc.load_balancer_vips {
-                    line!(
-                        nat_rules,
-                        "-A {fw} -m comment --comment \"{name} loadbalancer IP\" -s {lb} -j {external_chain}"
-                    );
-                }
-            }
-            line!(
-                nat_rules,
-                "-A {fw} -m comment --comment \"other traffic to {name} will be dropped by KUBE-PROXY-FIREWALL\""
-            );
-        }
-
-        if uses_cluster_chain {
-            line!(nat_chains, ":{} - [0:0]", chains.cluster);
-            write_service_to_endpoint_rules(
-                &mut nat_rules, &name, svc, &chains.cluster, &sets.cluster, large_cluster,
-            );
-        }
-        if uses_local_chain {
-            line!(nat_chains, ":{} - [0:0]", chains.local);
-            write_service_to_endpoint_rules(&mut nat_rules, &name, svc, &chains.local, &sets.local, large_cluster);
-        }
-
-        for ep in &sets.all_reachable {
-            let chain = names::endpoint_chain(&name, proto, &ep.to_string());
-            line!(nat_chains, ":{chain} - [0:0]");
-            let comment = if large_cluster {
-                String::new()
-            } else {
-                format!(" -m comment --comment {name}")
-            };
-            // Hairpin: a pod reaching itself through the Service must be masqueraded.
-            line!(nat_rules, "-A {chain}{comment} -s {ip} -j {KUBE_MARK_MASQ}", ip = ep.ip);
-            let affinity = if svc.session_affinity_timeout.is_some() {
-                format!(" -m recent --name {chain} --set")
-            } else {
-                String::new()
-            };
-            line!(
-                nat_rules,
-                "-A {chain}{comment}{affinity} -m {proto} -p {proto} -j DNAT --to-destination {ep}"
-            );
-        }
+    for f in fragments {
+        s.push_str(&f.filter_rules);
     }
+    // Drop INVALID packets, which would otherwise cause resets (upstream issue 74839).
+    if !ctx.opts.tcp_be_liberal {
+        let nfacct = if ctx.opts.nfacct {
+            format!(" -m nfacct --nfacct-name {NFACCT_CT_STATE_INVALID}")
+        } else {
+            String::new()
+        };
+        line!(s, "-A {KUBE_FORWARD} -m conntrack --ctstate INVALID{nfacct} -j DROP");
+    }
+    // Forward what we marked even when the FORWARD policy is DROP, and the rest of its flow.
+    line!(
+        s,
+        "-A {KUBE_FORWARD} -m comment --comment \"kubernetes forwarding rules\" -m mark --mark {mark}/{mark} -j ACCEPT"
+    );
+    line!(
+        s,
+        "-A {KUBE_FORWARD} -m comment --comment \"kubernetes forwarding conntrack rule\" -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT"
+    );
+    s.push_str("COMMIT\n");
+    s
+}
 
-    // The NodePort tail call must stay the last rule of nat KUBE-SERVICES.
-    let nodeports_comment = "\"kubernetes service nodeports; NOTE: this must be the last rule in this chain\"";
-    if npa.match_all() {
+/// Rules of nat KUBE-POSTROUTING and KUBE-MARK-MASQ.
+pub fn masquerade_rules(ctx: &RenderContext) -> String {
+    let mark = &ctx.mark;
+    let mut s = String::new();
+    line!(s, "-A {KUBE_POSTROUTING} -m mark ! --mark {mark}/{mark} -j RETURN");
+    // Clear the mark so that a packet re-traversing the stack is not masqueraded twice.
+    line!(s, "-A {KUBE_POSTROUTING} -j MARK --xor-mark {mark}");
+    let random_fully = if ctx.opts.random_fully { " --random-fully" } else { "" };
+    line!(
+        s,
+        "-A {KUBE_POSTROUTING} -m comment --comment \"kubernetes service traffic requiring SNAT\" -j MASQUERADE{random_fully}"
+    );
+    line!(s, "-A {KUBE_MARK_MASQ} -j MARK --or-mark {mark}");
+    s
+}
+
+/// The NodePort tail call, which must stay the last rule of nat KUBE-SERVICES.
+pub fn nodeports_tail(ctx: &RenderContext) -> String {
+    let comment = "\"kubernetes service nodeports; NOTE: this must be the last rule in this chain\"";
+    let is_ipv6 = ctx.family == IpFamily::V6;
+    let mut s = String::new();
+    if ctx.node_port_addresses.match_all() {
         // Localhost NodePorts never work for IPv6, and for IPv4 only with route_localnet.
         let not_loopback = if is_ipv6 {
             " ! -d ::1/128"
-        } else if !localhost_node_ports {
+        } else if !ctx.localhost_node_ports {
             " ! -d 127.0.0.0/8"
         } else {
             ""
         };
         line!(
-            nat_rules,
-            "-A {KUBE_SERVICES} -m comment --comment {nodeports_comment} -m addrtype --dst-type LOCAL{not_loopback} -j {KUBE_NODEPORTS}"
+            s,
+            "-A {KUBE_SERVICES} -m comment --comment {comment} -m addrtype --dst-type LOCAL{not_loopback} -j {KUBE_NODEPORTS}"
         );
     } else {
-        for ip in npa.node_ips(&local_addresses(state)) {
-            if ip.is_loopback() && (is_ipv6 || !localhost_node_ports) {
+        for ip in ctx.node_port_addresses.node_ips(&ctx.local_addresses) {
+            if ip.is_loopback() && (is_ipv6 || !ctx.localhost_node_ports) {
                 continue;
             }
             line!(
-                nat_rules,
-                "-A {KUBE_SERVICES} -m comment --comment {nodeports_comment} -d {ip} -j {KUBE_NODEPORTS}"
+                s,
+                "-A {KUBE_SERVICES} -m comment --comment {comment} -d {ip} -j {KUBE_NODEPORTS}"
             );
         }
     }
+    s
+}
 
-    // Drop INVALID packets, which would otherwise cause resets (upstream issue 74839).
-    if !opts.tcp_be_liberal {
-        let nfacct = if opts.nfacct {
-            format!(" -m nfacct --nfacct-name {NFACCT_CT_STATE_INVALID}")
-        } else {
-            String::new()
-        };
-        line!(
-            filter_rules,
-            "-A {KUBE_FORWARD} -m conntrack --ctstate INVALID{nfacct} -j DROP"
-        );
+/// Renders the full-sync ruleset of one family.
+pub fn render(state: &ProxyState, opts: &RenderOptions) -> Ruleset {
+    let ctx = RenderContext::new(state, opts);
+    let fragments: Vec<ServiceFragment> = state
+        .service_ports
+        .iter()
+        .map(|sps| render_service(sps, &ctx))
+        .collect();
+    let mut restore = filter_section(&ctx, fragments.iter());
+    restore.push_str("*nat\n");
+    for c in NAT_CHAINS {
+        line!(restore, ":{c} - [0:0]");
     }
-    // Forward what we marked even when the FORWARD policy is DROP, and the rest of its flow.
-    line!(
-        filter_rules,
-        "-A {KUBE_FORWARD} -m comment --comment \"kubernetes forwarding rules\" -m mark --mark {mark}/{mark} -j ACCEPT"
-    );
-    line!(
-        filter_rules,
-        "-A {KUBE_FORWARD} -m comment --comment \"kubernetes forwarding conntrack rule\" -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT"
-    );
-
-    let restore = [
-        "*filter\n", &filter_chains, &filter_rules, "COMMIT\n*nat\n", &nat_chains, &nat_rules, "COMMIT\n",
-    ]
-    .concat();
+    for f in &fragments {
+        for c in &f.chains {
+            line!(restore, ":{c} - [0:0]");
+        }
+    }
+    restore.push_str(&masquerade_rules(&ctx));
+    for f in &fragments {
+        restore.push_str(&f.services_rules);
+        restore.push_str(&f.nodeports_rules);
+        restore.push_str(&f.chain_rules);
+    }
+    restore.push_str(&nodeports_tail(&ctx));
+    restore.push_str("COMMIT\n");
     Ruleset {
-        family,
+        family: ctx.family,
         jumps: jump_rules(),
         restore,
     }
