@@ -6,6 +6,7 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::path::Path;
+use std::time::Duration;
 
 use ipnet::IpNet;
 use serde::Deserialize;
@@ -70,7 +71,8 @@ pub struct KubeProxyConfiguration {
     pub cluster_cidr: Option<String>,
     pub node_port_addresses: Option<Vec<String>>,
     pub oom_score_adj: Option<i32>,
-    pub conntrack: Option<serde_json::Value>,
+    #[serde(default)]
+    pub conntrack: ConntrackSection,
     pub config_sync_period: Option<String>,
     pub port_range: Option<String>,
     pub windows_run_as_service: Option<bool>,
@@ -114,6 +116,28 @@ pub struct Flags {
     pub feature_gates: BTreeMap<String, bool>,
     /// New: the node's IPs, overriding the Node object's addresses.
     pub node_ips: Vec<String>,
+    pub iptables_sync_period: Option<String>,
+    pub iptables_min_sync_period: Option<String>,
+    pub conntrack_max_per_core: Option<i64>,
+    pub conntrack_min: Option<i64>,
+    pub conntrack_tcp_timeout_established: Option<String>,
+    pub conntrack_tcp_timeout_close_wait: Option<String>,
+    pub conntrack_tcp_be_liberal: Option<bool>,
+    pub conntrack_udp_timeout: Option<String>,
+    pub conntrack_udp_timeout_stream: Option<String>,
+}
+
+/// The `conntrack` section of the configuration (upstream's names and defaults).
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ConntrackSection {
+    pub max_per_core: Option<i64>,
+    pub min: Option<i64>,
+    pub tcp_established_timeout: Option<String>,
+    pub tcp_close_wait_timeout: Option<String>,
+    pub tcp_be_liberal: Option<bool>,
+    pub udp_timeout: Option<String>,
+    pub udp_stream_timeout: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -195,6 +219,11 @@ pub struct ProxyConfig {
     pub node_port_addresses: Vec<String>,
     pub feature_gates: BTreeMap<String, bool>,
     pub node_ips: Vec<IpAddr>,
+    /// How often the rules are checked and, after a failure, retried (upstream: 30s).
+    pub sync_period: Duration,
+    /// The shortest time between two syncs; bursts of changes are coalesced (upstream: 1s).
+    pub min_sync_period: Duration,
+    pub conntrack: crate::conntrack::ConntrackConfig,
     /// Non-fatal notes for the operator (unknown fields, flags ignored because of --config).
     pub warnings: Vec<String>,
 }
@@ -371,7 +400,84 @@ impl ProxyConfig {
             }
         }
 
+        let duration = |field: &str, flag: &str, file_v: Option<String>, flag_v: Option<String>, default: Duration| {
+            let (name, raw) = if from_file { (field, file_v) } else { (flag, flag_v) };
+            match raw {
+                None => Ok(default),
+                Some(r) => parse_duration(&r).map_err(|reason| invalid(name, &r, &reason)),
+            }
+        };
+        let sync_period = duration(
+            "iptables.syncPeriod",
+            "--iptables-sync-period",
+            f.iptables.sync_period.clone(),
+            flags.iptables_sync_period.clone(),
+            Duration::from_secs(30),
+        )?;
+        let min_sync_period = duration(
+            "iptables.minSyncPeriod",
+            "--iptables-min-sync-period",
+            f.iptables.min_sync_period.clone(),
+            flags.iptables_min_sync_period.clone(),
+            Duration::from_secs(1),
+        )?;
+        if sync_period.is_zero() {
+            return Err(invalid(
+                field_name(from_file, "iptables.syncPeriod", "--iptables-sync-period"),
+                "0s",
+                "must be greater than 0",
+            ));
+        }
+        let count = |field: &str, flag: &str, file_v: Option<i64>, flag_v: Option<i64>, default: u32| {
+            let (name, raw) = if from_file { (field, file_v) } else { (flag, flag_v) };
+            match raw {
+                None => Ok(default),
+                Some(v) if (0..=i64::from(u32::MAX)).contains(&v) => Ok(v as u32),
+                Some(v) => Err(invalid(name, v, "must be a non-negative integer")),
+            }
+        };
+        let ct = &f.conntrack;
+        let conntrack = crate::conntrack::ConntrackConfig {
+            max_per_core: count(
+                "conntrack.maxPerCore", "--conntrack-max-per-core", ct.max_per_core, flags.conntrack_max_per_core,
+                32768,
+            )?,
+            min: count("conntrack.min", "--conntrack-min", ct.min, flags.conntrack_min, 131072)?,
+            tcp_established_timeout: duration(
+                "conntrack.tcpEstablishedTimeout",
+                "--conntrack-tcp-timeout-established",
+                ct.tcp_established_timeout.clone(),
+                flags.conntrack_tcp_timeout_established.clone(),
+                Duration::from_secs(24 * 3600),
+            )?,
+            tcp_close_wait_timeout: duration(
+                "conntrack.tcpCloseWaitTimeout",
+                "--conntrack-tcp-timeout-close-wait",
+                ct.tcp_close_wait_timeout.clone(),
+                flags.conntrack_tcp_timeout_close_wait.clone(),
+                Duration::from_secs(3600),
+            )?,
+            tcp_be_liberal: pick!(ct.tcp_be_liberal, flags.conntrack_tcp_be_liberal).unwrap_or(false),
+            udp_timeout: duration(
+                "conntrack.udpTimeout",
+                "--conntrack-udp-timeout",
+                ct.udp_timeout.clone(),
+                flags.conntrack_udp_timeout.clone(),
+                Duration::ZERO,
+            )?,
+            udp_stream_timeout: duration(
+                "conntrack.udpStreamTimeout",
+                "--conntrack-udp-timeout-stream",
+                ct.udp_stream_timeout.clone(),
+                flags.conntrack_udp_timeout_stream.clone(),
+                Duration::ZERO,
+            )?,
+        };
+
         Ok(ProxyConfig {
+            sync_period,
+            min_sync_period,
+            conntrack,
             mode,
             hostname_override,
             bind_address,
@@ -424,13 +530,69 @@ impl ProxyConfig {
     }
 }
 
+/// Parses a Go `time.Duration` string: `300ms`, `1.5s`, `1m0s`, `2h45m`, `0`.
+pub fn parse_duration(raw: &str) -> Result<Duration, String> {
+    let s = raw.trim();
+    if s == "0" {
+        return Ok(Duration::ZERO);
+    }
+    if s.is_empty() || s.starts_with('-') {
+        return Err("not a duration like 30s, 1m0s or 500ms".into());
+    }
+    let mut total = 0f64;
+    let mut rest = s;
+    while !rest.is_empty() {
+        let num_len = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(rest.len());
+        let (num, tail) = rest.split_at(num_len);
+        let value: f64 = num
+            .parse()
+            .map_err(|_| "not a duration like 30s, 1m0s or 500ms".to_string())?;
+        let unit_len = tail
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(tail.len());
+        let (unit, tail) = tail.split_at(unit_len);
+        let scale = match unit {
+            "ns" => 1e-9,
+            "us" | "µs" => 1e-6,
+            "ms" => 1e-3,
+            "s" => 1.0,
+            "m" => 60.0,
+            "h" => 3600.0,
+            _ => return Err(format!("unknown unit {unit:?} (use ns, us, ms, s, m or h)")),
+        };
+        total += value * scale;
+        rest = tail;
+    }
+    Ok(Duration::from_secs_f64(total))
+}
+
 fn field_name(from_file: bool, field: &'static str, flag: &'static str) -> &'static str {
     if from_file { field } else { flag }
 }
 
 fn ignored_flags(flags: &Flags) -> Vec<&'static str> {
     let mut v = Vec::new();
-    let checks: [(&'static str, bool); 11] = [
+    let checks: [(&'static str, bool); 20] = [
+        ("--iptables-sync-period", flags.iptables_sync_period.is_some()),
+        ("--iptables-min-sync-period", flags.iptables_min_sync_period.is_some()),
+        ("--conntrack-max-per-core", flags.conntrack_max_per_core.is_some()),
+        ("--conntrack-min", flags.conntrack_min.is_some()),
+        (
+            "--conntrack-tcp-timeout-established",
+            flags.conntrack_tcp_timeout_established.is_some(),
+        ),
+        (
+            "--conntrack-tcp-timeout-close-wait",
+            flags.conntrack_tcp_timeout_close_wait.is_some(),
+        ),
+        ("--conntrack-tcp-be-liberal", flags.conntrack_tcp_be_liberal.is_some()),
+        ("--conntrack-udp-timeout", flags.conntrack_udp_timeout.is_some()),
+        (
+            "--conntrack-udp-timeout-stream",
+            flags.conntrack_udp_timeout_stream.is_some(),
+        ),
         ("--proxy-mode", flags.proxy_mode.is_some()),
         ("--bind-address", flags.bind_address.is_some()),
         ("--cluster-cidr", flags.cluster_cidr.is_some()),
@@ -549,6 +711,23 @@ mod tests {
         let e = ProxyConfig::resolve(&flags).unwrap_err().to_string();
         std::fs::remove_dir_all(dir).unwrap();
         assert!(e.contains("mode") && e.contains("userspace"), "{e}");
+    }
+
+    #[test]
+    fn durations_parse_like_go() {
+        assert_eq!(parse_duration("30s").unwrap(), Duration::from_secs(30));
+        assert_eq!(parse_duration("1m0s").unwrap(), Duration::from_secs(60));
+        assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
+        assert_eq!(parse_duration("1h30m").unwrap(), Duration::from_secs(5400));
+        assert_eq!(parse_duration("0").unwrap(), Duration::ZERO);
+        assert!(parse_duration("30").is_err() && parse_duration("-1s").is_err() && parse_duration("1x").is_err());
+        let e = ProxyConfig::resolve(&Flags {
+            iptables_sync_period: Some("soon".into()),
+            ..Flags::default()
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("--iptables-sync-period") && e.contains("soon"), "{e}");
     }
 
     #[test]

@@ -11,7 +11,9 @@
 pub mod app;
 pub mod config;
 pub mod conntrack;
+pub mod daemon;
 pub mod iptables;
 pub mod lab;
 pub mod manifest;
 pub mod model;
+pub mod source;

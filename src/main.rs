@@ -27,6 +27,8 @@ struct Cli {
     command: Option<Command>,
     #[command(flatten)]
     flags: ProxyFlags,
+    #[command(flatten)]
+    daemon: DaemonFlags,
 }
 
 #[derive(Subcommand, Debug)]
@@ -99,6 +101,41 @@ struct ProxyFlags {
     /// The node's IP address(es), overriding the Node object's addresses (repeatable; new in kube-proxy-rs).
     #[arg(long = "node-ip", global = true)]
     node_ip: Vec<String>,
+    /// How often rules are checked and failed syncs retried (e.g. 30s, 2m0s).
+    #[arg(long, global = true)]
+    iptables_sync_period: Option<String>,
+    /// The minimum time between two syncs (e.g. 1s, 500ms).
+    #[arg(long, global = true)]
+    iptables_min_sync_period: Option<String>,
+    #[arg(long, global = true)]
+    conntrack_max_per_core: Option<i64>,
+    #[arg(long, global = true)]
+    conntrack_min: Option<i64>,
+    #[arg(long, global = true)]
+    conntrack_tcp_timeout_established: Option<String>,
+    #[arg(long, global = true)]
+    conntrack_tcp_timeout_close_wait: Option<String>,
+    #[arg(long, global = true, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = BoolishValueParser::new())]
+    conntrack_tcp_be_liberal: Option<bool>,
+    #[arg(long, global = true)]
+    conntrack_udp_timeout: Option<String>,
+    #[arg(long, global = true)]
+    conntrack_udp_timeout_stream: Option<String>,
+}
+
+/// Daemon-only flags.
+#[derive(Args, Debug, Default, Clone)]
+struct DaemonFlags {
+    /// Take Services, EndpointSlices and the Node from this directory of manifests, re-read on
+    /// change (new in kube-proxy-rs; the Kubernetes API source is not in this build yet).
+    #[arg(long)]
+    manifests: Option<PathBuf>,
+    /// Remove every rule kube-proxy created (all modes) and exit.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = BoolishValueParser::new())]
+    cleanup: Option<bool>,
+    /// Log verbosity (klog's -v).
+    #[arg(short = 'v', long = "v", global = true, default_value_t = 0)]
+    verbosity: u8,
 }
 
 #[derive(Args, Debug)]
@@ -173,6 +210,15 @@ impl ProxyFlags {
             iptables_localhost_nodeports: self.iptables_localhost_nodeports,
             feature_gates: gates,
             node_ips: self.node_ip.clone(),
+            iptables_sync_period: self.iptables_sync_period.clone(),
+            iptables_min_sync_period: self.iptables_min_sync_period.clone(),
+            conntrack_max_per_core: self.conntrack_max_per_core,
+            conntrack_min: self.conntrack_min,
+            conntrack_tcp_timeout_established: self.conntrack_tcp_timeout_established.clone(),
+            conntrack_tcp_timeout_close_wait: self.conntrack_tcp_timeout_close_wait.clone(),
+            conntrack_tcp_be_liberal: self.conntrack_tcp_be_liberal,
+            conntrack_udp_timeout: self.conntrack_udp_timeout.clone(),
+            conntrack_udp_timeout_stream: self.conntrack_udp_timeout_stream.clone(),
         })
     }
 }
@@ -201,14 +247,13 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    init_logging(cli.daemon.verbosity);
     let cfg = ProxyConfig::resolve(&cli.flags.to_flags()?)?;
     for w in &cfg.warnings {
         eprintln!("warning: {w}");
     }
     match cli.command {
-        None => bail!(
-            "running as the node daemon is not available in this build yet; use `kube-proxy render` or `kube-proxy trace` (see --help)"
-        ),
+        None => daemon(cfg, cli.daemon),
         Some(Command::Render(args)) => render(&cfg, args),
         Some(Command::Trace(args)) => trace_cmd(&cfg, args),
         Some(Command::Lab(args)) => match args.action {
@@ -217,6 +262,46 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             None => bail!("the lab is not available in this build yet"),
         },
     }
+}
+
+fn init_logging(verbosity: u8) {
+    let level = match verbosity {
+        0 | 1 => tracing::Level::INFO,
+        2 | 3 => tracing::Level::DEBUG,
+        _ => tracing::Level::TRACE,
+    };
+    use std::io::IsTerminal;
+    let _ = tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+fn daemon(cfg: ProxyConfig, flags: DaemonFlags) -> anyhow::Result<ExitCode> {
+    if flags.cleanup == Some(true) {
+        let errors = kube_proxy::daemon::cleanup_all();
+        for e in &errors {
+            eprintln!("error: cleanup: {e}");
+        }
+        return Ok(if errors.is_empty() {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        });
+    }
+    require_iptables(&cfg)?;
+    let Some(manifests) = flags.manifests else {
+        bail!("no source of Services: pass --manifests DIR (the Kubernetes API source is not in this build yet)");
+    };
+    if !manifests.is_dir() {
+        bail!(
+            "invalid value {:?} for --manifests: not a directory",
+            manifests.display().to_string()
+        );
+    }
+    kube_proxy::daemon::run(kube_proxy::daemon::DaemonOptions { config: cfg, manifests })?;
+    Ok(ExitCode::SUCCESS)
 }
 
 fn load(paths: &[PathBuf]) -> anyhow::Result<manifest::Objects> {

@@ -41,6 +41,58 @@ pub struct Objects {
     pub service_cidrs: Vec<ServiceCIDR>,
     /// One line per skipped object or document, naming where it came from and why.
     pub warnings: Vec<String>,
+    /// Objects that were present but did not decode, as `(kind, namespace, name)`: a source
+    /// that watches files keeps their previous good version instead of deleting them.
+    pub failed: Vec<ObjectKey>,
+}
+
+impl Objects {
+    /// Appends all of `other`'s objects, warnings and failures.
+    pub fn extend(&mut self, other: Objects) {
+        self.services.extend(other.services);
+        self.endpoint_slices.extend(other.endpoint_slices);
+        self.nodes.extend(other.nodes);
+        self.service_cidrs.extend(other.service_cidrs);
+        self.warnings.extend(other.warnings);
+        self.failed.extend(other.failed);
+    }
+
+    /// For every object of `self.failed`, brings back its version from `previous` if it had
+    /// one, so that a bad edit never deletes a working object. Returns the keys kept.
+    pub fn keep_previous_versions(&mut self, previous: &Objects) -> Vec<ObjectKey> {
+        fn find<T: k8s_openapi::Metadata<Ty = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta> + Clone>(
+            list: &[T],
+            key: &ObjectKey,
+        ) -> Option<T> {
+            list.iter()
+                .find(|o| {
+                    o.metadata().name.as_deref() == Some(key.name.as_str()) && o.metadata().namespace == key.namespace
+                })
+                .cloned()
+        }
+        let mut kept = Vec::new();
+        for key in self.failed.clone() {
+            let found = match key.kind.as_str() {
+                "Service" => find(&previous.services, &key).map(|o| self.services.push(o)),
+                "EndpointSlice" => find(&previous.endpoint_slices, &key).map(|o| self.endpoint_slices.push(o)),
+                "Node" => find(&previous.nodes, &key).map(|o| self.nodes.push(o)),
+                "ServiceCIDR" => find(&previous.service_cidrs, &key).map(|o| self.service_cidrs.push(o)),
+                _ => None,
+            };
+            if found.is_some() {
+                kept.push(key);
+            }
+        }
+        kept
+    }
+}
+
+/// Identifies an object across reloads.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ObjectKey {
+    pub kind: String,
+    pub namespace: Option<String>,
+    pub name: String,
 }
 
 /// Loads every manifest under `paths` (files, or directories read recursively for
@@ -60,6 +112,13 @@ pub fn load_paths<P: AsRef<Path>>(paths: &[P]) -> Result<Objects, ManifestError>
         }
     }
     Ok(objects)
+}
+
+/// The manifest files under `path` (itself if it is a file), in the order `load_paths` reads them.
+pub fn manifest_files(path: &Path) -> Result<Vec<PathBuf>, ManifestError> {
+    let mut out = Vec::new();
+    collect_files(path, &mut out)?;
+    Ok(out)
 }
 
 fn collect_files(path: &Path, out: &mut Vec<PathBuf>) -> Result<(), ManifestError> {
@@ -179,22 +238,12 @@ fn add_value(origin: &str, value: Value, objects: &mut Objects) {
                 add_value(origin, item, objects);
             }
         }
-        ("v1", "Service") => push_typed(origin, kind, value, &mut objects.services, &mut objects.warnings),
-        ("discovery.k8s.io/v1", "EndpointSlice") => push_typed(
-            origin,
-            kind,
-            value,
-            &mut objects.endpoint_slices,
-            &mut objects.warnings,
-        ),
-        ("v1", "Node") => push_typed(origin, kind, value, &mut objects.nodes, &mut objects.warnings),
-        ("networking.k8s.io/v1" | "networking.k8s.io/v1beta1", "ServiceCIDR") => push_typed(
-            origin,
-            kind,
-            value,
-            &mut objects.service_cidrs,
-            &mut objects.warnings,
-        ),
+        ("v1", "Service") => push_typed(origin, kind, value, |o| &mut o.services, objects),
+        ("discovery.k8s.io/v1", "EndpointSlice") => push_typed(origin, kind, value, |o| &mut o.endpoint_slices, objects),
+        ("v1", "Node") => push_typed(origin, kind, value, |o| &mut o.nodes, objects),
+        ("networking.k8s.io/v1" | "networking.k8s.io/v1beta1", "ServiceCIDR") => {
+            push_typed(origin, kind, value, |o| &mut o.service_cidrs, objects)
+        }
         _ => objects.warnings.push(format!(
             "{origin}: ignoring {} {} (kube-proxy reads v1 Service, discovery.k8s.io/v1 EndpointSlice, v1 Node and networking.k8s.io/v1 ServiceCIDR)",
             if api_version.is_empty() { "<no apiVersion>" } else { api_version },
@@ -203,16 +252,13 @@ fn add_value(origin: &str, value: Value, objects: &mut Objects) {
     }
 }
 
-fn object_ref(value: &Value) -> String {
+fn object_key(kind: &str, value: &Value) -> ObjectKey {
     let meta = value.get("metadata");
-    let ns = meta.and_then(|m| m.get("namespace")).and_then(Value::as_str);
-    let name = meta
-        .and_then(|m| m.get("name"))
-        .and_then(Value::as_str)
-        .unwrap_or("<unnamed>");
-    match ns {
-        Some(ns) => format!("{ns}/{name}"),
-        None => name.to_string(),
+    let field = |f: &str| meta.and_then(|m| m.get(f)).and_then(Value::as_str).map(str::to_string);
+    ObjectKey {
+        kind: kind.to_string(),
+        namespace: field("namespace"),
+        name: field("name").unwrap_or_default(),
     }
 }
 
@@ -220,17 +266,26 @@ fn push_typed<T: DeserializeOwned>(
     origin: &str,
     kind: &str,
     value: Value,
-    out: &mut Vec<T>,
-    warnings: &mut Vec<String>,
+    out: impl FnOnce(&mut Objects) -> &mut Vec<T>,
+    objects: &mut Objects,
 ) {
-    let reference = object_ref(&value);
+    let key = object_key(kind, &value);
     match serde_path_to_error::deserialize::<_, T>(value) {
-        Ok(obj) => out.push(obj),
-        Err(err) => warnings.push(format!(
-            "{origin}: {kind} {reference}: field {}: {}; object skipped",
-            err.path(),
-            err.inner()
-        )),
+        Ok(obj) => out(objects).push(obj),
+        Err(err) => {
+            let reference = match &key.namespace {
+                Some(ns) => format!("{ns}/{}", key.name),
+                None => key.name.clone(),
+            };
+            objects.warnings.push(format!(
+                "{origin}: {kind} {reference}: field {}: {}; object skipped",
+                err.path(),
+                err.inner()
+            ));
+            if !key.name.is_empty() {
+                objects.failed.push(key);
+            }
+        }
     }
 }
 

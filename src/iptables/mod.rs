@@ -1,7 +1,9 @@
 //! The iptables dataplane: chain names, the pure renderer of `iptables-restore` input and
 //! a tracer that follows one packet through rendered rules.
 
+pub mod exec;
 pub mod names;
+pub mod proxier;
 pub mod render;
 pub mod trace;
 

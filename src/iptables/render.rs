@@ -64,7 +64,7 @@ impl RenderOptions {
 }
 
 /// upstream's `NodePortAddresses` for one family.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NodePortAddresses {
     cidrs: Vec<IpNet>,
     match_all: bool,
@@ -171,7 +171,7 @@ pub fn masquerade_mark(bit: u8) -> String {
 }
 
 /// Everything that is the same for every service port during one sync.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RenderContext {
     pub opts: RenderOptions,
     pub family: IpFamily,

@@ -94,7 +94,7 @@ impl NodeInfo {
 }
 
 /// One service port of one family with its endpoints, sorted like upstream sorts them.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServicePortState {
     pub port: ServicePort,
     /// All endpoints of the port (ready or not), sorted by their `ip:port` string.

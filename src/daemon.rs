@@ -1,0 +1,245 @@
+//! The node daemon: reads Services, EndpointSlices and the Node from its source, and keeps
+//! the kernel's rules in sync through a bounded-frequency loop like upstream's runner:
+//! changes are coalesced and applied no more often than `minSyncPeriod`; every `syncPeriod`
+//! the canary chains are checked (a flushed or reloaded table forces a full sync) and a failed
+//! sync is retried as a full one; the previous rules stay in place meanwhile.
+
+use std::path::PathBuf;
+use std::sync::mpsc;
+use std::time::Instant;
+
+use anyhow::Context;
+use tracing::{debug, error, info, warn};
+
+use crate::app;
+use crate::config::ProxyConfig;
+use crate::conntrack::{self, UdpServices};
+use crate::iptables::exec::Exec;
+use crate::iptables::proxier::{Proxier, cleanup};
+use crate::iptables::render::{NodePortAddresses, RenderOptions};
+use crate::manifest::Objects;
+use crate::model::{IpFamily, NodeInfo, build_state};
+use crate::source::{self, ManifestSource};
+
+/// What the daemon runs on.
+#[derive(Clone, Debug)]
+pub struct DaemonOptions {
+    pub config: ProxyConfig,
+    /// `--manifests DIR`.
+    pub manifests: PathBuf,
+}
+
+/// The families this node programs: IPv4, plus IPv6 when its tools exist (upstream runs both).
+pub fn families() -> Vec<IpFamily> {
+    let mut v = vec![IpFamily::V4];
+    if Exec::available(IpFamily::V6) {
+        v.push(IpFamily::V6);
+    }
+    v
+}
+
+struct FamilyProxier {
+    family: IpFamily,
+    proxier: Proxier<Exec>,
+    /// A sync of this family is due (a change arrived, or the last attempt failed).
+    pending: bool,
+}
+
+/// Runs until the source's watcher fails; never returns on success.
+pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
+    let cfg = &opts.config;
+    let node_name = cfg.node_name();
+    info!(mode = cfg.mode.as_str(), node = %node_name, manifests = %opts.manifests.display(), "Starting kube-proxy");
+    let warnings = conntrack::apply_sysctls(
+        &cfg.conntrack,
+        std::path::Path::new("/proc/sys"),
+        conntrack::detect_num_cpus(),
+    );
+    for w in warnings {
+        warn!("{w}");
+    }
+
+    let (tx, rx) = mpsc::channel();
+    let _watcher =
+        source::watch(&opts.manifests, tx).with_context(|| format!("watching {}", opts.manifests.display()))?;
+    let mut src = ManifestSource::new(&opts.manifests);
+    let mut objects = reload(&mut src);
+
+    let mut proxiers: Vec<FamilyProxier> = Vec::new();
+    for family in families() {
+        proxiers.push(FamilyProxier {
+            family,
+            proxier: Proxier::new(Exec::new(family), options(cfg, family, &objects)),
+            pending: true,
+        });
+    }
+    ensure_route_localnet(cfg, &objects);
+
+    let mut last_sync: Option<Instant> = None;
+    let mut retry_at: Option<Instant> = None;
+    let mut next_check = Instant::now() + cfg.sync_period;
+    loop {
+        let now = Instant::now();
+        let pending = proxiers.iter().any(|p| p.pending);
+        let earliest = last_sync.map_or(now, |t| t + cfg.min_sync_period);
+        let wake = if pending {
+            retry_at.unwrap_or(earliest).max(earliest)
+        } else {
+            next_check
+        };
+        match rx.recv_timeout(wake.saturating_duration_since(now)) {
+            Ok(()) => {
+                // Coalesce a burst of file events into one reload.
+                while rx.try_recv().is_ok() {}
+                let next = reload(&mut src);
+                if next_differs(&objects, &next) {
+                    objects = next;
+                    for p in &mut proxiers {
+                        p.pending = true;
+                    }
+                }
+                continue;
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => anyhow::bail!("the manifest watcher stopped"),
+        }
+        let now = Instant::now();
+        if now >= next_check {
+            next_check = now + cfg.sync_period;
+            for p in &mut proxiers {
+                if !p.proxier.canaries_intact() {
+                    warn!(ip_family = %p.family, "Canary chains or jump rules are missing (tables flushed or reloaded by someone else); doing a full sync");
+                    p.proxier.force_full_sync();
+                    p.pending = true;
+                }
+            }
+        }
+        if !proxiers.iter().any(|p| p.pending) || now < earliest || retry_at.is_some_and(|t| now < t) {
+            continue;
+        }
+        last_sync = Some(now);
+        retry_at = None;
+        ensure_route_localnet(cfg, &objects);
+        for p in proxiers.iter_mut().filter(|p| p.pending) {
+            if sync_family(cfg, p, &objects) {
+                p.pending = false;
+            } else {
+                retry_at = Some(Instant::now() + cfg.sync_period);
+            }
+        }
+    }
+}
+
+fn reload(src: &mut ManifestSource) -> Objects {
+    let snapshot = src.reload();
+    for m in &snapshot.messages {
+        warn!("{m}");
+    }
+    snapshot.objects
+}
+
+/// Cheap change check: the objects as JSON (a reload that changed nothing costs no sync).
+fn next_differs(old: &Objects, new: &Objects) -> bool {
+    fn key(o: &Objects) -> String {
+        serde_json::to_string(&(&o.services, &o.endpoint_slices, &o.nodes, &o.service_cidrs)).unwrap_or_default()
+    }
+    key(old) != key(new)
+}
+
+fn options(cfg: &ProxyConfig, family: IpFamily, objects: &Objects) -> RenderOptions {
+    let node = app::node_info(objects, cfg);
+    let state = build_state(&Objects::default(), &node, family);
+    let mut opts = RenderOptions::from_config(cfg, family, &state);
+    opts.tcp_be_liberal = read_sysctl("net/netfilter/nf_conntrack_tcp_be_liberal").is_some_and(|v| v != "0");
+    opts
+}
+
+fn read_sysctl(key: &str) -> Option<String> {
+    std::fs::read_to_string(format!("/proc/sys/{key}"))
+        .ok()
+        .map(|s| s.trim().to_string())
+}
+
+/// Localhost NodePorts need `route_localnet` (upstream sets it when they are in effect).
+fn ensure_route_localnet(cfg: &ProxyConfig, objects: &Objects) {
+    let node: NodeInfo = app::node_info(objects, cfg);
+    let npa = NodePortAddresses::new(IpFamily::V4, &cfg.node_port_addresses, node.primary_ip(IpFamily::V4));
+    if cfg.localhost_node_ports && npa.contains_ipv4_loopback() {
+        let path = "/proc/sys/net/ipv4/conf/all/route_localnet";
+        if std::fs::read_to_string(path).map(|v| v.trim() != "1").unwrap_or(true)
+            && let Err(e) = std::fs::write(path, "1")
+        {
+            warn!(error = %e, "Could not set net.ipv4.conf.all.route_localnet=1; localhost NodePorts will not work");
+        }
+    }
+}
+
+/// One sync of one family; false when it failed (it will be retried as a full sync).
+fn sync_family(cfg: &ProxyConfig, p: &mut FamilyProxier, objects: &Objects) -> bool {
+    let node = app::node_info(objects, cfg);
+    let state = build_state(objects, &node, p.family);
+    for w in &state.warnings {
+        warn!(ip_family = %p.family, "{w}");
+    }
+    match p.proxier.sync(&state) {
+        Ok(report) => {
+            info!(
+                ip_family = %p.family,
+                full = report.full,
+                services = state.service_ports.len(),
+                rewritten = report.rewritten_services,
+                deleted_chains = report.deleted_chains,
+                bytes = report.restore_bytes,
+                elapsed_ms = report.elapsed.as_secs_f64() * 1000.0,
+                "Synced iptables rules"
+            );
+            if report.udp_endpoints_removed || report.full {
+                clean_conntrack(p.family, &state);
+            }
+            true
+        }
+        Err(e) => {
+            error!(ip_family = %p.family, error = %e, "Sync failed; keeping the previous rules and retrying with a full sync");
+            false
+        }
+    }
+}
+
+fn clean_conntrack(family: IpFamily, state: &crate::model::ProxyState) {
+    let services = UdpServices::from_state(state);
+    if services.by_ip_port.is_empty() && services.by_node_port.is_empty() {
+        return;
+    }
+    let result =
+        conntrack::Netlink::new().and_then(|mut ct| conntrack::clean_stale_entries(&mut ct, family, &services));
+    match result {
+        Ok(n) if n > 0 => info!(ip_family = %family, deleted = n, "Deleted stale UDP conntrack entries"),
+        Ok(_) => debug!(ip_family = %family, "No stale UDP conntrack entries"),
+        Err(e) => warn!(ip_family = %family, error = %e, "Could not clean stale UDP conntrack entries"),
+    }
+}
+
+/// `--cleanup`: removes everything we own in both families (iptables chains and jumps, and the
+/// nftables `kube-proxy` tables of the nftables mode). Returns the errors met.
+pub fn cleanup_all() -> Vec<String> {
+    let mut errors = Vec::new();
+    for family in families() {
+        let mut ipt = Exec::new(family);
+        errors.extend(cleanup(&mut ipt).into_iter().map(|e| format!("{family}: {e}")));
+    }
+    for family in ["ip", "ip6"] {
+        // The table may not exist (or nft may not be installed): only a present table matters.
+        let listed = std::process::Command::new("nft")
+            .args(["list", "table", family, "kube-proxy"])
+            .output();
+        if listed.is_ok_and(|o| o.status.success()) {
+            let deleted = std::process::Command::new("nft")
+                .args(["delete", "table", family, "kube-proxy"])
+                .output();
+            if !deleted.is_ok_and(|o| o.status.success()) {
+                errors.push(format!("nft delete table {family} kube-proxy failed"));
+            }
+        }
+    }
+    errors
+}

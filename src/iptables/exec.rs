@@ -1,0 +1,319 @@
+//! The edge to the kernel for the iptables dataplane: `iptables-restore`, `iptables-save` and
+//! `iptables` executed directly (never through a shell), behind a trait with a recording fake.
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+use crate::model::IpFamily;
+
+/// Failures of the iptables tools. The caller logs them, keeps the previous rules, and retries
+/// with a full sync.
+#[derive(Debug, thiserror::Error)]
+pub enum ExecError {
+    /// The tool could not be started (not installed, not root, ...).
+    #[error("running {program}: {source}")]
+    Spawn {
+        program: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The tool ran and failed.
+    #[error("{program} {args} failed ({status}): {stderr}{context}")]
+    Failed {
+        program: String,
+        args: String,
+        status: String,
+        stderr: String,
+        /// For `iptables-restore`: the offending line of the input and its neighbours.
+        context: String,
+    },
+}
+
+/// The iptables operations the proxier needs, for one IP family.
+pub trait Iptables: Send {
+    fn family(&self) -> IpFamily;
+    /// `iptables-restore --noflush --counters` with `input` on stdin.
+    fn restore(&mut self, input: &str) -> Result<(), ExecError>;
+    /// `iptables-save -t TABLE`.
+    fn save(&mut self, table: &str) -> Result<String, ExecError>;
+    /// Creates `chain` in `table` if it does not exist; true if it was created.
+    fn ensure_chain(&mut self, table: &str, chain: &str) -> Result<bool, ExecError>;
+    fn chain_exists(&mut self, table: &str, chain: &str) -> Result<bool, ExecError>;
+    /// `-C`: whether the rule exists.
+    fn rule_exists(&mut self, table: &str, chain: &str, args: &[String]) -> Result<bool, ExecError>;
+    /// Inserts the rule at the top of `chain` unless it exists; true if it was inserted.
+    fn ensure_rule_first(&mut self, table: &str, chain: &str, args: &[String]) -> Result<bool, ExecError> {
+        if self.rule_exists(table, chain, args)? {
+            return Ok(false);
+        }
+        self.run(table, &["-I", chain], args)?;
+        Ok(true)
+    }
+    /// `-D`; a rule that is not there is not an error.
+    fn delete_rule(&mut self, table: &str, chain: &str, args: &[String]) -> Result<(), ExecError> {
+        if self.rule_exists(table, chain, args)? {
+            self.run(table, &["-D", chain], args)?;
+        }
+        Ok(())
+    }
+    /// Flushes and deletes a chain if it exists.
+    fn delete_chain(&mut self, table: &str, chain: &str) -> Result<(), ExecError> {
+        if self.chain_exists(table, chain)? {
+            self.run(table, &["-F", chain], &[])?;
+            self.run(table, &["-X", chain], &[])?;
+        }
+        Ok(())
+    }
+    /// Runs `iptables -w -t TABLE OP... ARGS...`.
+    fn run(&mut self, table: &str, op: &[&str], args: &[String]) -> Result<String, ExecError>;
+}
+
+/// The real tools.
+#[derive(Clone, Debug)]
+pub struct Exec {
+    family: IpFamily,
+}
+
+impl Exec {
+    pub fn new(family: IpFamily) -> Exec {
+        Exec { family }
+    }
+
+    fn tool(&self, suffix: &str) -> String {
+        let base = match self.family {
+            IpFamily::V4 => "iptables",
+            IpFamily::V6 => "ip6tables",
+        };
+        format!("{base}{suffix}")
+    }
+
+    /// Whether the family's tools are installed (dual-stack needs `ip6tables-restore`).
+    pub fn available(family: IpFamily) -> bool {
+        let tool = Exec::new(family).tool("-restore");
+        Command::new(&tool)
+            .arg("--version")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    }
+}
+
+fn output(
+    program: &str,
+    args: &[String],
+    stdin: Option<&str>,
+) -> Result<(std::process::ExitStatus, String, String), ExecError> {
+    let spawn_err = |source| ExecError::Spawn {
+        program: program.to_string(),
+        source,
+    };
+    let mut child = Command::new(program)
+        .args(args)
+        .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(spawn_err)?;
+    if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
+        // A tool that dies early closes the pipe; its exit status tells the real story.
+        let _ = pipe.write_all(input.as_bytes());
+    }
+    let out = child.wait_with_output().map_err(spawn_err)?;
+    Ok((
+        out.status,
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).trim().to_string(),
+    ))
+}
+
+/// The input lines around the line `iptables-restore` complained about ("line N failed").
+pub fn restore_error_context(stderr: &str, input: &str) -> String {
+    let line = stderr.split("line ").nth(1).and_then(|rest| {
+        let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+        digits.parse::<usize>().ok()
+    });
+    let Some(n) = line else { return String::new() };
+    let lines: Vec<&str> = input.lines().collect();
+    let from = n.saturating_sub(2).max(1);
+    let to = (n + 1).min(lines.len());
+    let mut s = String::from("\n");
+    for i in from..=to {
+        if let Some(l) = lines.get(i - 1) {
+            s.push_str(&format!("{}{i}: {l}\n", if i == n { "> " } else { "  " }));
+        }
+    }
+    s
+}
+
+impl Iptables for Exec {
+    fn family(&self) -> IpFamily {
+        self.family
+    }
+
+    fn restore(&mut self, input: &str) -> Result<(), ExecError> {
+        let program = self.tool("-restore");
+        let args = vec!["-w".to_string(), "--noflush".into(), "--counters".into()];
+        let (status, _, stderr) = output(&program, &args, Some(input))?;
+        if status.success() {
+            return Ok(());
+        }
+        Err(ExecError::Failed {
+            context: restore_error_context(&stderr, input),
+            program,
+            args: args.join(" "),
+            status: status.to_string(),
+            stderr,
+        })
+    }
+
+    fn save(&mut self, table: &str) -> Result<String, ExecError> {
+        let program = self.tool("-save");
+        let args = vec!["-t".to_string(), table.to_string()];
+        let (status, stdout, stderr) = output(&program, &args, None)?;
+        if status.success() {
+            Ok(stdout)
+        } else {
+            Err(ExecError::Failed {
+                program,
+                args: args.join(" "),
+                status: status.to_string(),
+                stderr,
+                context: String::new(),
+            })
+        }
+    }
+
+    fn ensure_chain(&mut self, table: &str, chain: &str) -> Result<bool, ExecError> {
+        if self.chain_exists(table, chain)? {
+            return Ok(false);
+        }
+        self.run(table, &["-N", chain], &[])?;
+        Ok(true)
+    }
+
+    fn chain_exists(&mut self, table: &str, chain: &str) -> Result<bool, ExecError> {
+        let program = self.tool("");
+        let args: Vec<String> = ["-w", "-t", table, "-S", chain].iter().map(|s| s.to_string()).collect();
+        let (status, _, _) = output(&program, &args, None)?;
+        Ok(status.success())
+    }
+
+    fn rule_exists(&mut self, table: &str, chain: &str, args: &[String]) -> Result<bool, ExecError> {
+        let program = self.tool("");
+        let mut full: Vec<String> = ["-w", "-t", table, "-C", chain].iter().map(|s| s.to_string()).collect();
+        full.extend(args.iter().cloned());
+        let (status, _, _) = output(&program, &full, None)?;
+        Ok(status.success())
+    }
+
+    fn run(&mut self, table: &str, op: &[&str], args: &[String]) -> Result<String, ExecError> {
+        let program = self.tool("");
+        let mut full: Vec<String> = vec!["-w".into(), "-t".into(), table.into()];
+        full.extend(op.iter().map(|s| s.to_string()));
+        full.extend(args.iter().cloned());
+        let (status, stdout, stderr) = output(&program, &full, None)?;
+        if status.success() {
+            Ok(stdout)
+        } else {
+            Err(ExecError::Failed {
+                program,
+                args: full.join(" "),
+                status: status.to_string(),
+                stderr,
+                context: String::new(),
+            })
+        }
+    }
+}
+
+/// A recording fake: keeps every restore input and command, and can be told to fail.
+#[derive(Clone, Debug, Default)]
+pub struct Fake {
+    pub family: Option<IpFamily>,
+    pub restores: Vec<String>,
+    pub commands: Vec<String>,
+    /// Chains per table (as `table/chain`) that exist.
+    pub chains: std::collections::BTreeSet<String>,
+    /// Rules ensured in built-in chains, as `table/chain args`.
+    pub rules: std::collections::BTreeSet<String>,
+    /// What `save` returns, per table.
+    pub saved: std::collections::BTreeMap<String, String>,
+    /// When set, the next restore fails with this stderr.
+    pub fail_next_restore: Option<String>,
+}
+
+impl Iptables for Fake {
+    fn family(&self) -> IpFamily {
+        self.family.unwrap_or(IpFamily::V4)
+    }
+
+    fn restore(&mut self, input: &str) -> Result<(), ExecError> {
+        if let Some(stderr) = self.fail_next_restore.take() {
+            return Err(ExecError::Failed {
+                context: restore_error_context(&stderr, input),
+                program: "iptables-restore".into(),
+                args: "--noflush --counters".into(),
+                status: "exit status: 1".into(),
+                stderr,
+            });
+        }
+        self.restores.push(input.to_string());
+        Ok(())
+    }
+
+    fn save(&mut self, table: &str) -> Result<String, ExecError> {
+        self.commands.push(format!("save {table}"));
+        Ok(self.saved.get(table).cloned().unwrap_or_default())
+    }
+
+    fn ensure_chain(&mut self, table: &str, chain: &str) -> Result<bool, ExecError> {
+        Ok(self.chains.insert(format!("{table}/{chain}")))
+    }
+
+    fn chain_exists(&mut self, table: &str, chain: &str) -> Result<bool, ExecError> {
+        Ok(self.chains.contains(&format!("{table}/{chain}")))
+    }
+
+    fn rule_exists(&mut self, table: &str, chain: &str, args: &[String]) -> Result<bool, ExecError> {
+        Ok(self.rules.contains(&format!("{table}/{chain} {}", args.join(" "))))
+    }
+
+    fn run(&mut self, table: &str, op: &[&str], args: &[String]) -> Result<String, ExecError> {
+        let cmd = format!("-t {table} {} {}", op.join(" "), args.join(" "));
+        self.commands.push(cmd.trim().to_string());
+        match op {
+            ["-I", chain] => {
+                self.rules.insert(format!("{table}/{chain} {}", args.join(" ")));
+            }
+            ["-D", chain] => {
+                self.rules.remove(&format!("{table}/{chain} {}", args.join(" ")));
+            }
+            ["-N", chain] => {
+                self.chains.insert(format!("{table}/{chain}"));
+            }
+            ["-X", chain] => {
+                self.chains.remove(&format!("{table}/{chain}"));
+            }
+            _ => {}
+        }
+        Ok(String::new())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_context_points_at_the_failed_line() {
+        let input = "*nat\n:A - [0:0]\n-A A -j NOPE\n-A A -j RETURN\nCOMMIT\n";
+        let ctx = restore_error_context("iptables-restore: line 3 failed", input);
+        assert!(ctx.contains("> 3: -A A -j NOPE"), "{ctx}");
+        assert!(
+            ctx.contains("  2: :A - [0:0]") && ctx.contains("  4: -A A -j RETURN"),
+            "{ctx}"
+        );
+        assert_eq!(restore_error_context("something else", input), "");
+    }
+}

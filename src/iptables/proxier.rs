@@ -1,0 +1,588 @@
+//! The iptables proxier: keeps one family's kernel rules equal to the model. A full sync
+//! (at start, after a failure, when the rendering context or the canaries change, and
+//! periodically) writes every chain and deletes stale ones found with `iptables-save`; a
+//! partial sync rewrites only the chains of service ports whose state changed, plus the fixed
+//! chains whose content changed, and deletes the chains it stopped using.
+//!
+//! Partial syncs skip unchanged fixed chains, where upstream rewrites them every time: with
+//! iptables-nft each rewritten jump rule costs a scan of every chain, so rewriting
+//! KUBE-SERVICES dominates an endpoint change at 10k Services (see the README's figures).
+
+use std::collections::{HashMap, HashSet};
+use std::fmt::Write as _;
+use std::time::{Duration, Instant};
+
+use super::exec::{ExecError, Iptables};
+use super::names::{
+    KUBE_MARK_MASQ, KUBE_NODEPORTS, KUBE_POSTROUTING, KUBE_PROXY_CANARY, KUBE_SERVICES, is_service_chain,
+};
+use super::render::{
+    RenderContext, RenderOptions, ServiceFragment, filter_section, jump_rules, masquerade_rules, nodeports_tail,
+    render_service,
+};
+use crate::model::{ProxyState, ServicePortName, ServicePortState};
+
+/// Upstream's `FullSyncPeriod`: a full sync at least this often.
+pub const FULL_SYNC_PERIOD: Duration = Duration::from_secs(3600);
+
+/// Tables that hold a canary chain (upstream's `ipt.Monitor`).
+pub const CANARY_TABLES: [&str; 3] = ["mangle", "nat", "filter"];
+
+#[derive(Debug, thiserror::Error)]
+pub enum SyncError {
+    #[error("ensuring chains and jump rules: {0}")]
+    Setup(#[source] ExecError),
+    #[error("listing existing chains: {0}")]
+    Save(#[source] ExecError),
+    #[error("applying rules: {0}")]
+    Restore(#[source] ExecError),
+}
+
+/// What one sync did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SyncReport {
+    pub full: bool,
+    /// Service ports whose chains were rewritten.
+    pub rewritten_services: usize,
+    /// Stale chains deleted.
+    pub deleted_chains: usize,
+    /// Size of the restore input (0 when nothing had to change).
+    pub restore_bytes: usize,
+    pub elapsed: Duration,
+    /// UDP service ports that lost serving endpoints or disappeared (stale conntrack possible).
+    pub udp_endpoints_removed: bool,
+}
+
+struct CachedService {
+    state: ServicePortState,
+    fragment: ServiceFragment,
+}
+
+/// What is in the kernel after the last successful sync.
+struct Applied {
+    ctx: RenderContext,
+    filter: String,
+    masquerade: String,
+    services: String,
+    nodeports: String,
+    /// Every per-service chain we own in nat.
+    chains: HashSet<String>,
+}
+
+pub struct Proxier<I: Iptables> {
+    ipt: I,
+    opts: RenderOptions,
+    services: HashMap<ServicePortName, CachedService>,
+    applied: Option<Applied>,
+    last_full: Option<Instant>,
+}
+
+impl<I: Iptables> Proxier<I> {
+    pub fn new(ipt: I, opts: RenderOptions) -> Proxier<I> {
+        Proxier {
+            ipt,
+            opts,
+            services: HashMap::new(),
+            applied: None,
+            last_full: None,
+        }
+    }
+
+    pub fn iptables(&mut self) -> &mut I {
+        &mut self.ipt
+    }
+
+    /// Makes the next sync a full one (after a failure, a flush by someone else, ...).
+    pub fn force_full_sync(&mut self) {
+        self.applied = None;
+    }
+
+    /// Whether our canary chains and the nat entry jump are still there; if not, someone
+    /// flushed or reloaded the tables and a full sync must repair them.
+    pub fn canaries_intact(&mut self) -> bool {
+        for table in CANARY_TABLES {
+            if !self.ipt.chain_exists(table, KUBE_PROXY_CANARY).unwrap_or(false) {
+                return false;
+            }
+        }
+        jump_rules()
+            .iter()
+            .filter(|j| j.table == "nat" && j.chain == "PREROUTING")
+            .all(|j| self.ipt.rule_exists(j.table, j.chain, &j.args).unwrap_or(false))
+    }
+
+    /// Brings the kernel in line with `state` (which must be of this proxier's family).
+    pub fn sync(&mut self, state: &ProxyState) -> Result<SyncReport, SyncError> {
+        let start = Instant::now();
+        let ctx = RenderContext::new(state, &self.opts);
+        let full = match (&self.applied, self.last_full) {
+            (Some(applied), Some(last)) => applied.ctx != ctx || last.elapsed() > FULL_SYNC_PERIOD,
+            _ => true,
+        };
+        let result = self.sync_inner(state, ctx, full);
+        match result {
+            Ok(mut report) => {
+                report.elapsed = start.elapsed();
+                if full {
+                    self.last_full = Some(Instant::now());
+                }
+                Ok(report)
+            }
+            Err(e) => {
+                // The change trackers' view is gone with the failed restore: start over.
+                self.applied = None;
+                Err(e)
+            }
+        }
+    }
+
+    fn sync_inner(&mut self, state: &ProxyState, ctx: RenderContext, full: bool) -> Result<SyncReport, SyncError> {
+        let mut report = SyncReport {
+            full,
+            ..SyncReport::default()
+        };
+        if full {
+            self.ensure_setup().map_err(SyncError::Setup)?;
+        }
+
+        // Render what changed (everything on a full sync).
+        let mut old = std::mem::take(&mut self.services);
+        let mut order: Vec<(&ServicePortName, bool)> = Vec::with_capacity(state.service_ports.len());
+        let mut gained_endpoints = false;
+        for sps in &state.service_ports {
+            let key = &sps.port.name;
+            let previous = old.remove(key);
+            let reuse = !full && previous.as_ref().is_some_and(|p| p.state == *sps);
+            let cached = match previous {
+                Some(p) if reuse => p,
+                previous => {
+                    let fragment = render_service(sps, &ctx);
+                    let had = previous.as_ref().is_some_and(|p| p.fragment.has_endpoints);
+                    gained_endpoints |= fragment.has_endpoints && !had;
+                    if let Some(p) = &previous {
+                        report.udp_endpoints_removed |= lost_udp_endpoints(&p.state, sps);
+                    }
+                    CachedService {
+                        state: sps.clone(),
+                        fragment,
+                    }
+                }
+            };
+            order.push((key, !reuse));
+            self.services.insert(key.clone(), cached);
+        }
+        report.udp_endpoints_removed |= old
+            .values()
+            .any(|c| c.state.port.protocol == crate::model::Protocol::Udp);
+        report.rewritten_services = order.iter().filter(|(_, changed)| *changed).count();
+        let fragments: Vec<(&ServiceFragment, bool)> = order
+            .iter()
+            .map(|(k, changed)| (&self.services[*k].fragment, *changed))
+            .collect();
+
+        let filter = filter_section(&ctx, fragments.iter().map(|(f, _)| *f));
+        let masquerade = masquerade_rules(&ctx);
+        let mut services = String::new();
+        let mut nodeports = String::new();
+        for (f, _) in &fragments {
+            services.push_str(&f.services_rules);
+            nodeports.push_str(&f.nodeports_rules);
+        }
+        services.push_str(&nodeports_tail(&ctx));
+        let chains: HashSet<String> = fragments.iter().flat_map(|(f, _)| f.chains.iter().cloned()).collect();
+
+        // Chains to delete: on a full sync whatever the kernel has that we no longer use
+        // (rules left by an earlier run, ours or upstream's); otherwise what we stopped using.
+        let mut stale: Vec<String> = match (&self.applied, full) {
+            (Some(applied), false) => applied.chains.difference(&chains).cloned().collect(),
+            _ => {
+                let saved = self.ipt.save("nat").map_err(SyncError::Save)?;
+                existing_chains(&saved)
+                    .into_iter()
+                    .filter(|c| is_service_chain(c) && !chains.contains(c))
+                    .collect()
+            }
+        };
+        stale.sort();
+        report.deleted_chains = stale.len();
+
+        let prev = self.applied.as_ref();
+        let write_filter = full || prev.is_none_or(|a| a.filter != filter);
+        let write_masq = full || prev.is_none_or(|a| a.masquerade != masquerade);
+        let write_services = full || prev.is_none_or(|a| a.services != services);
+        let write_nodeports = full || prev.is_none_or(|a| a.nodeports != nodeports);
+
+        let mut nat = String::new();
+        let mut declared = 0usize;
+        let mut declare = |nat: &mut String, c: &str| {
+            let _ = writeln!(nat, ":{c} - [0:0]");
+            declared += 1;
+        };
+        for (c, write) in [
+            (KUBE_SERVICES, write_services),
+            (KUBE_NODEPORTS, write_nodeports),
+            (KUBE_POSTROUTING, write_masq),
+            (KUBE_MARK_MASQ, write_masq),
+        ] {
+            if write {
+                declare(&mut nat, c);
+            }
+        }
+        for (f, changed) in &fragments {
+            if *changed {
+                for c in &f.chains {
+                    declare(&mut nat, c);
+                }
+            }
+        }
+        for c in &stale {
+            declare(&mut nat, c);
+        }
+        let mut rules = String::new();
+        if write_masq {
+            rules.push_str(&masquerade);
+        }
+        // Upstream's order: each service's KUBE-SERVICES and KUBE-NODEPORTS lines, then its chains.
+        for (f, changed) in &fragments {
+            if write_services {
+                rules.push_str(&f.services_rules);
+            }
+            if write_nodeports {
+                rules.push_str(&f.nodeports_rules);
+            }
+            if *changed {
+                rules.push_str(&f.chain_rules);
+            }
+        }
+        if write_services {
+            rules.push_str(&nodeports_tail(&ctx));
+        }
+        for c in &stale {
+            let _ = writeln!(rules, "-X {c}");
+        }
+
+        let nat_section = if declared > 0 {
+            format!("*nat\n{nat}{rules}COMMIT\n")
+        } else {
+            String::new()
+        };
+        let filter_section = if write_filter { filter.clone() } else { String::new() };
+        // iptables-restore commits each table on its own. A Service that gains endpoints must
+        // get its DNAT before its REJECT goes, and one that loses them its REJECT before its
+        // DNAT goes (see PITFALLS: a SYN in between is forwarded un-NATed).
+        let input = if gained_endpoints {
+            format!("{nat_section}{filter_section}")
+        } else {
+            format!("{filter_section}{nat_section}")
+        };
+        if !input.is_empty() {
+            self.ipt.restore(&input).map_err(SyncError::Restore)?;
+        }
+        report.restore_bytes = input.len();
+        self.applied = Some(Applied {
+            ctx,
+            filter,
+            masquerade,
+            services,
+            nodeports,
+            chains,
+        });
+        Ok(report)
+    }
+
+    /// What a full sync does before the restore: our fixed chains, the jump rules from the
+    /// built-in chains (upstream's `iptablesJumpChains`), and the canary chains.
+    fn ensure_setup(&mut self) -> Result<(), ExecError> {
+        for j in jump_rules() {
+            let target = j.args.last().cloned().unwrap_or_default();
+            self.ipt.ensure_chain(j.table, &target)?;
+            self.ipt.ensure_rule_first(j.table, j.chain, &j.args)?;
+        }
+        for table in CANARY_TABLES {
+            self.ipt.ensure_chain(table, KUBE_PROXY_CANARY)?;
+        }
+        Ok(())
+    }
+}
+
+/// A UDP service port whose serving endpoints shrank: conntrack may hold flows to the old ones.
+fn lost_udp_endpoints(old: &ServicePortState, new: &ServicePortState) -> bool {
+    if old.port.protocol != crate::model::Protocol::Udp {
+        return false;
+    }
+    let serving = |s: &ServicePortState| -> HashSet<std::net::IpAddr> {
+        s.endpoints.iter().filter(|e| e.serving).map(|e| e.ip).collect()
+    };
+    !serving(old).is_subset(&serving(new)) || old.port != new.port
+}
+
+/// Chain names declared in `iptables-save` output.
+pub fn existing_chains(saved: &str) -> Vec<String> {
+    saved
+        .lines()
+        .filter_map(|l| l.strip_prefix(':'))
+        .filter_map(|l| l.split_whitespace().next())
+        .map(str::to_string)
+        .collect()
+}
+
+/// Removes everything kube-proxy owns in one family (`--cleanup`): jump rules, our chains in
+/// nat and filter (fixed ones and per-service ones), and the canaries. Errors are collected,
+/// not fatal: cleanup does as much as it can.
+pub fn cleanup<I: Iptables>(ipt: &mut I) -> Vec<String> {
+    let mut errors = Vec::new();
+    for j in jump_rules() {
+        if let Err(e) = ipt.delete_rule(j.table, j.chain, &j.args) {
+            errors.push(e.to_string());
+        }
+    }
+    for (table, fixed) in [
+        (
+            "nat",
+            &[
+                KUBE_SERVICES, KUBE_NODEPORTS, KUBE_POSTROUTING, KUBE_MARK_MASQ, KUBE_PROXY_CANARY,
+            ][..],
+        ),
+        (
+            "filter",
+            &[
+                KUBE_SERVICES,
+                super::names::KUBE_EXTERNAL_SERVICES,
+                super::names::KUBE_FORWARD,
+                KUBE_NODEPORTS,
+                super::names::KUBE_PROXY_FIREWALL,
+                KUBE_PROXY_CANARY,
+            ][..],
+        ),
+    ] {
+        let saved = match ipt.save(table) {
+            Ok(s) => s,
+            Err(e) => {
+                errors.push(e.to_string());
+                continue;
+            }
+        };
+        let existing = existing_chains(&saved);
+        let doomed: Vec<&String> = existing
+            .iter()
+            .filter(|c| fixed.contains(&c.as_str()) || (table == "nat" && is_service_chain(c)))
+            .collect();
+        if doomed.is_empty() {
+            continue;
+        }
+        let mut input = format!("*{table}\n");
+        for c in &doomed {
+            let _ = writeln!(input, ":{c} - [0:0]");
+        }
+        for c in &doomed {
+            let _ = writeln!(input, "-X {c}");
+        }
+        input.push_str("COMMIT\n");
+        if let Err(e) = ipt.restore(&input) {
+            errors.push(e.to_string());
+        }
+    }
+    if let Err(e) = ipt.delete_chain("mangle", KUBE_PROXY_CANARY) {
+        errors.push(e.to_string());
+    }
+    errors
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{IpAddr, Ipv4Addr};
+
+    use super::*;
+    use crate::config::LocalDetector;
+    use crate::iptables::exec::Fake;
+    use crate::iptables::render::render;
+    use crate::model::{Endpoint, IpFamily, NodeInfo, Protocol, ServicePort};
+
+    fn opts() -> RenderOptions {
+        RenderOptions {
+            masquerade_all: false,
+            masquerade_bit: 14,
+            localhost_node_ports: true,
+            local_detector: LocalDetector::Cidr("10.244.0.0/16".into()),
+            node_port_addresses: vec![],
+            prefer_same_node: true,
+            nfacct: false,
+            tcp_be_liberal: false,
+            random_fully: true,
+        }
+    }
+
+    fn port(name: &str, ip: u8, proto: Protocol, endpoints: &[u8]) -> ServicePortState {
+        let spn = ServicePortName {
+            namespace: "ns".into(),
+            name: name.into(),
+            port: "p".into(),
+            protocol: proto,
+        };
+        let mut eps: Vec<Endpoint> = endpoints
+            .iter()
+            .map(|e| Endpoint::ready(IpAddr::V4(Ipv4Addr::new(10, 244, 1, *e)), 8080))
+            .collect();
+        eps.sort_by_key(|e| e.to_string());
+        ServicePortState {
+            port: ServicePort::cluster_ip(spn, IpAddr::V4(Ipv4Addr::new(10, 96, 0, ip)), 80),
+            endpoints: eps,
+        }
+    }
+
+    fn state(ports: Vec<ServicePortState>) -> ProxyState {
+        let mut ports = ports;
+        ports.sort_by(|a, b| a.port.name.cmp(&b.port.name));
+        ProxyState {
+            family: IpFamily::V4,
+            node: NodeInfo {
+                name: "node-a".into(),
+                ..NodeInfo::default()
+            },
+            service_ports: ports,
+            service_cidrs: vec![],
+            warnings: vec![],
+        }
+    }
+
+    fn declared(input: &str) -> Vec<&str> {
+        input
+            .lines()
+            .filter_map(|l| l.strip_prefix(':'))
+            .map(|l| l.split(' ').next().unwrap_or(""))
+            .collect()
+    }
+
+    #[test]
+    fn first_sync_is_full_and_writes_what_render_writes() {
+        let st = state(vec![
+            port("a", 1, Protocol::Tcp, &[1, 2]),
+            port("b", 2, Protocol::Tcp, &[]),
+        ]);
+        let mut p = Proxier::new(Fake::default(), opts());
+        let r = p.sync(&st).unwrap();
+        assert!(r.full);
+        let ipt = p.iptables();
+        assert!(ipt.chains.contains("nat/KUBE-PROXY-CANARY") && ipt.chains.contains("mangle/KUBE-PROXY-CANARY"));
+        assert!(
+            ipt.rules
+                .iter()
+                .any(|r| r.starts_with("nat/PREROUTING ") && r.ends_with("-j KUBE-SERVICES"))
+        );
+        assert_eq!(ipt.restores.len(), 1);
+        // Same text as `render` (tables in nat-first order because services gained endpoints).
+        let rendered = render(&st, &opts()).restore;
+        let (filter, nat) = rendered.split_at(rendered.find("*nat").unwrap());
+        assert_eq!(ipt.restores[0], format!("{nat}{filter}"));
+    }
+
+    #[test]
+    fn unchanged_state_writes_nothing() {
+        let st = state(vec![port("a", 1, Protocol::Tcp, &[1, 2])]);
+        let mut p = Proxier::new(Fake::default(), opts());
+        p.sync(&st).unwrap();
+        let r = p.sync(&st).unwrap();
+        assert!(!r.full);
+        assert_eq!(r.restore_bytes, 0);
+        assert_eq!(p.iptables().restores.len(), 1);
+    }
+
+    #[test]
+    fn endpoint_change_rewrites_only_that_service() {
+        let before = state(vec![
+            port("a", 1, Protocol::Tcp, &[1, 2]),
+            port("b", 2, Protocol::Tcp, &[3]),
+        ]);
+        let after = state(vec![
+            port("a", 1, Protocol::Tcp, &[1]),
+            port("b", 2, Protocol::Tcp, &[3]),
+        ]);
+        let mut p = Proxier::new(Fake::default(), opts());
+        p.sync(&before).unwrap();
+        let r = p.sync(&after).unwrap();
+        assert!(!r.full && r.rewritten_services == 1 && r.deleted_chains == 1, "{r:?}");
+        let input = p.iptables().restores.last().unwrap().clone();
+        assert!(!input.contains("*filter"), "filter unchanged: {input}");
+        let chains = declared(&input);
+        let a = crate::iptables::names::service_port_chains("ns/a:p", "tcp");
+        let gone = crate::iptables::names::endpoint_chain("ns/a:p", "tcp", "10.244.1.2:8080");
+        assert!(
+            chains.contains(&a.cluster.as_str()) && chains.contains(&gone.as_str()),
+            "{input}"
+        );
+        assert!(
+            !chains.contains(&"KUBE-SERVICES"),
+            "KUBE-SERVICES is unchanged: {input}"
+        );
+        assert!(!input.contains("ns/b:p"), "service b untouched: {input}");
+        assert!(input.contains(&format!("-X {gone}")));
+    }
+
+    #[test]
+    fn new_service_rewrites_kube_services_and_losing_endpoints_orders_filter_first() {
+        let one = state(vec![port("a", 1, Protocol::Tcp, &[1])]);
+        let two = state(vec![
+            port("a", 1, Protocol::Tcp, &[1]),
+            port("b", 2, Protocol::Tcp, &[3]),
+        ]);
+        let mut p = Proxier::new(Fake::default(), opts());
+        p.sync(&one).unwrap();
+        p.sync(&two).unwrap();
+        let input = p.iptables().restores.last().unwrap().clone();
+        assert!(declared(&input).contains(&"KUBE-SERVICES"));
+        assert!(input.starts_with("*nat"), "gaining endpoints: DNAT first: {input}");
+        let none = state(vec![
+            port("a", 1, Protocol::Tcp, &[1]),
+            port("b", 2, Protocol::Tcp, &[]),
+        ]);
+        p.sync(&none).unwrap();
+        let input = p.iptables().restores.last().unwrap().clone();
+        assert!(
+            input.starts_with("*filter") && input.contains("ns/b:p has no endpoints"),
+            "{input}"
+        );
+    }
+
+    #[test]
+    fn failure_forces_a_full_sync_and_full_sync_deletes_leftovers() {
+        let st = state(vec![port("a", 1, Protocol::Tcp, &[1])]);
+        let mut p = Proxier::new(Fake::default(), opts());
+        p.sync(&st).unwrap();
+        p.iptables().fail_next_restore = Some("iptables-restore: line 2 failed".into());
+        let changed = state(vec![port("a", 1, Protocol::Tcp, &[1, 2])]);
+        let err = p.sync(&changed).unwrap_err();
+        assert!(err.to_string().contains("line 2"), "{err}");
+        p.iptables().saved.insert(
+            "nat".into(),
+            ":KUBE-SEP-LEFTOVER1234567 - [0:0]\n:OTHER - [0:0]\n".into(),
+        );
+        let r = p.sync(&changed).unwrap();
+        assert!(r.full && r.deleted_chains == 1, "{r:?}");
+        let input = p.iptables().restores.last().unwrap().clone();
+        assert!(
+            input.contains("-X KUBE-SEP-LEFTOVER1234567") && !input.contains("-X OTHER"),
+            "{input}"
+        );
+    }
+
+    #[test]
+    fn udp_endpoint_loss_is_reported_for_conntrack_cleanup() {
+        let before = state(vec![port("dns", 10, Protocol::Udp, &[1, 2])]);
+        let after = state(vec![port("dns", 10, Protocol::Udp, &[2])]);
+        let mut p = Proxier::new(Fake::default(), opts());
+        assert!(!p.sync(&before).unwrap().udp_endpoints_removed);
+        assert!(p.sync(&after).unwrap().udp_endpoints_removed);
+        let more = state(vec![port("dns", 10, Protocol::Udp, &[2, 3])]);
+        assert!(!p.sync(&more).unwrap().udp_endpoints_removed);
+    }
+
+    #[test]
+    fn canaries() {
+        let mut p = Proxier::new(Fake::default(), opts());
+        assert!(!p.canaries_intact());
+        p.sync(&state(vec![])).unwrap();
+        assert!(p.canaries_intact());
+        p.iptables().rules.retain(|r| !r.starts_with("nat/PREROUTING"));
+        assert!(!p.canaries_intact(), "a flushed PREROUTING counts as lost");
+    }
+}
