@@ -36,6 +36,10 @@ pub trait Iptables: Send {
     fn restore(&mut self, input: &str) -> Result<(), ExecError>;
     /// `iptables-save -t TABLE`.
     fn save(&mut self, table: &str) -> Result<String, ExecError>;
+    /// `iptables-save -c -t TABLE` (with counters, to hand back to [`Iptables::replace`]).
+    fn save_counters(&mut self, table: &str) -> Result<String, ExecError>;
+    /// `iptables-restore --counters` without `--noflush`: replaces every table in `input`.
+    fn replace(&mut self, input: &str) -> Result<(), ExecError>;
     /// Creates `chain` in `table` if it does not exist; true if it was created.
     fn ensure_chain(&mut self, table: &str, chain: &str) -> Result<bool, ExecError>;
     fn chain_exists(&mut self, table: &str, chain: &str) -> Result<bool, ExecError>;
@@ -85,6 +89,31 @@ impl Exec {
             IpFamily::V6 => "ip6tables",
         };
         format!("{base}{suffix}")
+    }
+
+    fn save_args(&self, args: Vec<String>) -> Result<String, ExecError> {
+        let program = self.tool("-save");
+        let (status, stdout, stderr) = output(&program, &args, None)?;
+        if status.success() {
+            Ok(stdout)
+        } else {
+            Err(ExecError::Failed { program, args: args.join(" "), status: status.to_string(), stderr, context: String::new() })
+        }
+    }
+
+    fn restore_args(&self, args: Vec<String>, input: &str) -> Result<(), ExecError> {
+        let program = self.tool("-restore");
+        let (status, _, stderr) = output(&program, &args, Some(input))?;
+        if status.success() {
+            return Ok(());
+        }
+        Err(ExecError::Failed {
+            context: restore_error_context(&stderr, input),
+            program,
+            args: args.join(" "),
+            status: status.to_string(),
+            stderr,
+        })
     }
 
     /// Whether the family's tools are installed (dual-stack needs `ip6tables-restore`).
@@ -152,36 +181,18 @@ impl Iptables for Exec {
     }
 
     fn restore(&mut self, input: &str) -> Result<(), ExecError> {
-        let program = self.tool("-restore");
-        let args = vec!["-w".to_string(), "--noflush".into(), "--counters".into()];
-        let (status, _, stderr) = output(&program, &args, Some(input))?;
-        if status.success() {
-            return Ok(());
-        }
-        Err(ExecError::Failed {
-            context: restore_error_context(&stderr, input),
-            program,
-            args: args.join(" "),
-            status: status.to_string(),
-            stderr,
-        })
+        self.restore_args(vec!["-w".to_string(), "--noflush".into(), "--counters".into()], input)
+    }
+    fn save(&mut self, table: &str) -> Result<String, ExecError> {
+        self.save_args(vec!["-t".to_string(), table.to_string()])
     }
 
-    fn save(&mut self, table: &str) -> Result<String, ExecError> {
-        let program = self.tool("-save");
-        let args = vec!["-t".to_string(), table.to_string()];
-        let (status, stdout, stderr) = output(&program, &args, None)?;
-        if status.success() {
-            Ok(stdout)
-        } else {
-            Err(ExecError::Failed {
-                program,
-                args: args.join(" "),
-                status: status.to_string(),
-                stderr,
-                context: String::new(),
-            })
-        }
+    fn save_counters(&mut self, table: &str) -> Result<String, ExecError> {
+        self.save_args(vec!["-c".to_string(), "-t".to_string(), table.to_string()])
+    }
+
+    fn replace(&mut self, input: &str) -> Result<(), ExecError> {
+        self.restore_args(vec!["-w".to_string(), "--counters".into()], input)
     }
 
     fn ensure_chain(&mut self, table: &str, chain: &str) -> Result<bool, ExecError> {
@@ -198,7 +209,6 @@ impl Iptables for Exec {
         let (status, _, _) = output(&program, &args, None)?;
         Ok(status.success())
     }
-
     fn rule_exists(&mut self, table: &str, chain: &str, args: &[String]) -> Result<bool, ExecError> {
         let program = self.tool("");
         let mut full: Vec<String> = ["-w", "-t", table, "-C", chain].iter().map(|s| s.to_string()).collect();
@@ -232,6 +242,8 @@ impl Iptables for Exec {
 pub struct Fake {
     pub family: Option<IpFamily>,
     pub restores: Vec<String>,
+    /// Inputs of [`Iptables::replace`] (flush-mode restores).
+    pub replaces: Vec<String>,
     pub commands: Vec<String>,
     /// Chains per table (as `table/chain`) that exist.
     pub chains: std::collections::BTreeSet<String>,
@@ -265,6 +277,16 @@ impl Iptables for Fake {
     fn save(&mut self, table: &str) -> Result<String, ExecError> {
         self.commands.push(format!("save {table}"));
         Ok(self.saved.get(table).cloned().unwrap_or_default())
+    }
+
+    fn save_counters(&mut self, table: &str) -> Result<String, ExecError> {
+        self.commands.push(format!("save -c {table}"));
+        Ok(self.saved.get(table).cloned().unwrap_or_default())
+    }
+
+    fn replace(&mut self, input: &str) -> Result<(), ExecError> {
+        self.replaces.push(input.to_string());
+        Ok(())
     }
 
     fn ensure_chain(&mut self, table: &str, chain: &str) -> Result<bool, ExecError> {

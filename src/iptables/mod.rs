@@ -5,6 +5,7 @@ pub mod exec;
 pub mod names;
 pub mod proxier;
 pub mod render;
+pub mod replace;
 pub mod trace;
 
 pub use render::{RenderOptions, render};

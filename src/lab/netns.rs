@@ -282,10 +282,27 @@ pub struct VethEnd<'a> {
 pub fn connect_veth(a: VethEnd<'_>, b: VethEnd<'_>) -> Result<()> {
     check_ifname(a.ifname)?;
     check_ifname(b.ifname)?;
-    a.ns.ip(["link", "add", a.ifname, "type", "veth", "peer", "name", b.ifname, "netns", b.ns.name()])
-        .with_context(|| {
-            format!("cannot create veth {}:{} <-> {}:{}", a.ns.name(), a.ifname, b.ns.name(), b.ifname)
-        })?;
+    a.ns.ip([
+        "link",
+        "add",
+        a.ifname,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        b.ifname,
+        "netns",
+        b.ns.name(),
+    ])
+    .with_context(|| {
+        format!(
+            "cannot create veth {}:{} <-> {}:{}",
+            a.ns.name(),
+            a.ifname,
+            b.ns.name(),
+            b.ifname
+        )
+    })?;
     for end in [a, b] {
         for addr in end.addrs {
             end.ns.add_addr(end.ifname, *addr)?;
@@ -387,19 +404,32 @@ impl ChildGuard {
                 return Ok(());
             }
             if st.open == 0 {
-                bail!("`{}` ended its output before writing {needle:?}; its output:\n{}", self.label, st.text);
+                bail!(
+                    "`{}` ended its output before writing {needle:?}; its output:\n{}",
+                    self.label,
+                    st.text
+                );
             }
             let now = Instant::now();
             if now >= deadline {
-                bail!("`{}` did not write {needle:?} within {timeout:?}; its output:\n{}", self.label, st.text);
+                bail!(
+                    "`{}` did not write {needle:?} within {timeout:?}; its output:\n{}",
+                    self.label,
+                    st.text
+                );
             }
-            st = cv.wait_timeout(st, deadline - now).map_err(|_| anyhow!("log lock poisoned"))?.0;
+            st = cv
+                .wait_timeout(st, deadline - now)
+                .map_err(|_| anyhow!("log lock poisoned"))?
+                .0;
         }
     }
 
     /// Its exit status if it has exited (non-blocking).
     pub fn try_wait(&mut self) -> Result<Option<ExitStatus>> {
-        self.child.try_wait().with_context(|| format!("cannot check on `{}`", self.label))
+        self.child
+            .try_wait()
+            .with_context(|| format!("cannot check on `{}`", self.label))
     }
 
     /// Sends a signal (e.g. SIGTERM for a graceful stop).
@@ -429,7 +459,9 @@ impl ChildGuard {
         }
         // The process may exit between the check and the kill; the wait below settles it.
         let _ = self.child.kill();
-        self.child.wait().with_context(|| format!("cannot reap `{}`", self.label))
+        self.child
+            .wait()
+            .with_context(|| format!("cannot reap `{}`", self.label))
     }
 }
 

@@ -95,7 +95,10 @@ impl ProbeArgs {
 
     /// One UDP datagram to `to` (1 s timeout).
     pub fn udp(to: SocketAddr) -> ProbeArgs {
-        ProbeArgs { protocol: ProbeProtocol::Udp, ..ProbeArgs::tcp(to) }
+        ProbeArgs {
+            protocol: ProbeProtocol::Udp,
+            ..ProbeArgs::tcp(to)
+        }
     }
 
     pub fn with_count(mut self, count: u32) -> ProbeArgs {
@@ -240,7 +243,10 @@ impl ProbeReport {
     pub fn all_ok(&self) -> bool {
         !self.attempts.is_empty()
             && self.attempts.iter().all(|a| a.ok)
-            && self.stream.as_ref().is_none_or(|s| s.errors.is_empty() && s.echoed == s.sent)
+            && self
+                .stream
+                .as_ref()
+                .is_none_or(|s| s.errors.is_empty() && s.echoed == s.sent)
     }
 
     pub fn ok_count(&self) -> usize {
@@ -383,7 +389,9 @@ fn us(d: Duration) -> u64 {
 /// Parses `<name> <ip>`.
 fn parse_answer(line: &str) -> io::Result<(String, IpAddr)> {
     let line = line.trim_end_matches(['\n', '\r']);
-    let (name, ip) = line.split_once(' ').ok_or_else(|| other(format!("bad answer {line:?}")))?;
+    let (name, ip) = line
+        .split_once(' ')
+        .ok_or_else(|| other(format!("bad answer {line:?}")))?;
     let ip = ip.parse().map_err(|_| other(format!("bad answer {line:?}")))?;
     Ok((name.to_string(), ip))
 }
@@ -557,7 +565,10 @@ fn probe_stream(rt: &tokio::runtime::Runtime, args: &ProbeArgs, seconds: f64, st
     };
     let first = attempt(t, began.elapsed(), answer);
     if let Some(err) = &first.error {
-        report.errors.push(StreamError { t_ms: t, error: err.clone() });
+        report.errors.push(StreamError {
+            t_ms: t,
+            error: err.clone(),
+        });
     }
     let end = Instant::now() + Duration::from_secs_f64(seconds);
     let mut seq: u64 = 0;
@@ -568,7 +579,10 @@ fn probe_stream(rt: &tokio::runtime::Runtime, args: &ProbeArgs, seconds: f64, st
         seq += 1;
         let t = ms_since(start);
         if let Err(e) = r.get_mut().write_all(format!("line {seq}\n").as_bytes()) {
-            report.errors.push(StreamError { t_ms: t, error: classify(&e) });
+            report.errors.push(StreamError {
+                t_ms: t,
+                error: classify(&e),
+            });
             break;
         }
         report.sent += 1;
@@ -577,7 +591,10 @@ fn probe_stream(rt: &tokio::runtime::Runtime, args: &ProbeArgs, seconds: f64, st
             let res = set_deadline(r.get_ref(), deadline).and_then(|()| read_line(r));
             match res {
                 Ok(line) => {
-                    let got = line.trim_end().strip_prefix("line ").and_then(|n| n.parse::<u64>().ok());
+                    let got = line
+                        .trim_end()
+                        .strip_prefix("line ")
+                        .and_then(|n| n.parse::<u64>().ok());
                     match got {
                         Some(n) if n == seq => {
                             report.echoed += 1;
@@ -587,7 +604,10 @@ fn probe_stream(rt: &tokio::runtime::Runtime, args: &ProbeArgs, seconds: f64, st
                         Some(n) if n < seq => report.echoed += 1,
                         _ => {
                             let error = format!("{ERR_OTHER_PREFIX}unexpected echo {:?}", line.trim_end());
-                            report.errors.push(StreamError { t_ms: ms_since(start), error });
+                            report.errors.push(StreamError {
+                                t_ms: ms_since(start),
+                                error,
+                            });
                             break true;
                         }
                     }
@@ -595,7 +615,10 @@ fn probe_stream(rt: &tokio::runtime::Runtime, args: &ProbeArgs, seconds: f64, st
                 Err(e) => {
                     let error = classify(&e);
                     let is_timeout = error == ERR_TIMEOUT;
-                    report.errors.push(StreamError { t_ms: ms_since(start), error });
+                    report.errors.push(StreamError {
+                        t_ms: ms_since(start),
+                        error,
+                    });
                     break !is_timeout;
                 }
             }
@@ -608,7 +631,10 @@ fn probe_stream(rt: &tokio::runtime::Runtime, args: &ProbeArgs, seconds: f64, st
             std::thread::sleep(interval.min(left));
         }
     }
-    ProbeReport { attempts: vec![first], stream: Some(report) }
+    ProbeReport {
+        attempts: vec![first],
+        stream: Some(report),
+    }
 }
 
 /// Runs the probe in this process' network namespace. An error only for invalid arguments or
@@ -617,7 +643,10 @@ pub fn run_probe(args: &ProbeArgs) -> Result<ProbeReport> {
     args.validate()?;
     let start = Instant::now();
     if args.protocol == ProbeProtocol::Udp {
-        return Ok(ProbeReport { attempts: probe_udp(args, start), stream: None });
+        return Ok(ProbeReport {
+            attempts: probe_udp(args, start),
+            stream: None,
+        });
     }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -625,7 +654,10 @@ pub fn run_probe(args: &ProbeArgs) -> Result<ProbeReport> {
         .context("cannot build a tokio runtime")?;
     Ok(match args.stream_seconds {
         Some(s) => probe_stream(&rt, args, s, start),
-        None => ProbeReport { attempts: probe_tcp(&rt, args, start), stream: None },
+        None => ProbeReport {
+            attempts: probe_tcp(&rt, args, start),
+            stream: None,
+        },
     })
 }
 
@@ -669,8 +701,16 @@ mod tests {
     fn report_json_shape() {
         let r = ProbeReport {
             attempts: vec![
-                attempt(0, Duration::from_micros(12), Ok(("ep1".into(), "10.244.9.2".parse().unwrap()))),
-                attempt(3, Duration::from_micros(40), Err(io::Error::from(io::ErrorKind::ConnectionRefused))),
+                attempt(
+                    0,
+                    Duration::from_micros(12),
+                    Ok(("ep1".into(), "10.244.9.2".parse().unwrap())),
+                ),
+                attempt(
+                    3,
+                    Duration::from_micros(40),
+                    Err(io::Error::from(io::ErrorKind::ConnectionRefused)),
+                ),
             ],
             stream: None,
         };
@@ -686,7 +726,10 @@ mod tests {
 
     #[test]
     fn parses_answers() {
-        assert_eq!(parse_answer("ep2 10.244.9.2\n").unwrap(), ("ep2".to_string(), "10.244.9.2".parse().unwrap()));
+        assert_eq!(
+            parse_answer("ep2 10.244.9.2\n").unwrap(),
+            ("ep2".to_string(), "10.244.9.2".parse().unwrap())
+        );
         assert!(parse_answer("garbage").is_err());
     }
 }
