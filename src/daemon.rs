@@ -98,7 +98,6 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
                         p.pending = true;
                     }
                 }
-                continue;
             }
             Err(mpsc::RecvTimeoutError::Timeout) => {}
             Err(mpsc::RecvTimeoutError::Disconnected) => anyhow::bail!("the manifest watcher stopped"),

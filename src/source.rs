@@ -103,10 +103,16 @@ impl ManifestSource {
     }
 }
 
-/// Watches `dir` recursively and sends `()` on every change; the watcher stops when dropped.
+/// Watches `dir` recursively and sends `()` on every change of its files; the watcher stops
+/// when dropped. Reads (including our own reloads) are not changes.
 pub fn watch(dir: &Path, tx: Sender<()>) -> notify::Result<notify::RecommendedWatcher> {
     let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
-        if event.is_ok() {
+        let is_change = match event {
+            Ok(e) => !matches!(e.kind, notify::EventKind::Access(_)),
+            // A lost event (queue overflow) may hide a change: reload to be safe.
+            Err(_) => true,
+        };
+        if is_change {
             let _ = tx.send(());
         }
     })?;

@@ -97,7 +97,13 @@ impl Exec {
         if status.success() {
             Ok(stdout)
         } else {
-            Err(ExecError::Failed { program, args: args.join(" "), status: status.to_string(), stderr, context: String::new() })
+            Err(ExecError::Failed {
+                program,
+                args: args.join(" "),
+                status: status.to_string(),
+                stderr,
+                context: String::new(),
+            })
         }
     }
 

@@ -16,11 +16,11 @@ use super::exec::{ExecError, Iptables};
 use super::names::{
     KUBE_MARK_MASQ, KUBE_NODEPORTS, KUBE_POSTROUTING, KUBE_PROXY_CANARY, KUBE_SERVICES, is_service_chain,
 };
-use super::replace::merge_table;
 use super::render::{
     RenderContext, RenderOptions, ServiceFragment, filter_section, jump_rules, masquerade_rules, nodeports_tail,
     render_service,
 };
+use super::replace::merge_table;
 use crate::model::{ProxyState, ServicePortName, ServicePortState};
 
 /// Upstream's `FullSyncPeriod`: a full sync at least this often.
@@ -144,7 +144,10 @@ impl<I: Iptables> Proxier<I> {
     }
 
     fn sync_inner(&mut self, state: &ProxyState, ctx: RenderContext, full: bool) -> Result<SyncReport, SyncError> {
-        let mut report = SyncReport { full, ..SyncReport::default() };
+        let mut report = SyncReport {
+            full,
+            ..SyncReport::default()
+        };
         let chain_count: usize = state.service_ports.iter().map(|s| s.endpoints.len() + 1).sum();
         let by_replacing = full && chain_count > REPLACE_TABLES_ABOVE_CHAINS;
         if full && !by_replacing {
@@ -199,15 +202,7 @@ impl<I: Iptables> Proxier<I> {
 
         if by_replacing {
             let (report, applied) = replace_tables(
-                &mut self.ipt,
-                &ctx,
-                &filter,
-                &masquerade,
-                &fragments,
-                chains,
-                services,
-                nodeports,
-                gained_endpoints,
+                &mut self.ipt, &ctx, &filter, &masquerade, &fragments, chains, services, nodeports, gained_endpoints,
                 report,
             )?;
             self.applied = Some(applied);
@@ -365,10 +360,14 @@ fn replace_tables<I: Iptables>(
     let nat = merge_table("nat", &saved_nat, &nat, &jumps);
     let filter_merged = merge_table("filter", &saved_filter, filter, &jumps);
     report.deleted_chains = nat.dropped_service_chains;
-    let input =
-        if gained_endpoints { format!("{}{}", nat.text, filter_merged.text) } else { format!("{}{}", filter_merged.text, nat.text) };
+    let input = if gained_endpoints {
+        format!("{}{}", nat.text, filter_merged.text)
+    } else {
+        format!("{}{}", filter_merged.text, nat.text)
+    };
     ipt.replace(&input).map_err(SyncError::Restore)?;
-    ipt.ensure_chain("mangle", KUBE_PROXY_CANARY).map_err(SyncError::Setup)?;
+    ipt.ensure_chain("mangle", KUBE_PROXY_CANARY)
+        .map_err(SyncError::Setup)?;
     report.restore_bytes = input.len();
     let applied = Applied {
         ctx: ctx.clone(),
@@ -380,7 +379,6 @@ fn replace_tables<I: Iptables>(
     };
     Ok((report, applied))
 }
-
 
 /// A UDP service port whose serving endpoints shrank: conntrack may hold flows to the old ones.
 fn lost_udp_endpoints(old: &ServicePortState, new: &ServicePortState) -> bool {
@@ -666,8 +664,9 @@ mod tests {
     #[test]
     fn large_full_sync_replaces_tables_keeping_foreign_rules() {
         let many: Vec<u8> = (1..=250).collect();
-        let ports: Vec<ServicePortState> =
-            (0..10).map(|i| port(&format!("s{i}"), i as u8 + 1, Protocol::Tcp, &many)).collect();
+        let ports: Vec<ServicePortState> = (0..10)
+            .map(|i| port(&format!("s{i}"), i as u8 + 1, Protocol::Tcp, &many))
+            .collect();
         let st = state(ports);
         let mut fake = Fake::default();
         fake.saved.insert(

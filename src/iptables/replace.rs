@@ -46,20 +46,30 @@ pub struct Merged {
 }
 
 fn quote(arg: &str) -> String {
-    if arg.contains(' ') { format!("\"{arg}\"") } else { arg.to_string() }
+    if arg.contains(' ') {
+        format!("\"{arg}\"")
+    } else {
+        arg.to_string()
+    }
 }
 
 /// Merges `saved` (`iptables-save -c -t TABLE` output) with `ours` (our `*TABLE … COMMIT`
 /// section) and our `jumps` of that table.
 pub fn merge_table(table: &str, saved: &str, ours: &str, jumps: &[JumpRule]) -> Merged {
     let our_decls: Vec<&str> = ours.lines().filter(|l| l.starts_with(':')).collect();
-    let our_rules: Vec<&str> = ours.lines().filter(|l| l.starts_with("-A ") || l.starts_with("-X ")).collect();
+    let our_rules: Vec<&str> = ours
+        .lines()
+        .filter(|l| l.starts_with("-A ") || l.starts_with("-X "))
+        .collect();
     let ours_declared: HashSet<String> = our_decls.iter().map(|l| chain_of_decl(l).to_string()).collect();
     let mut declared = ours_declared.clone();
     let fixed = fixed_chains(table);
     let owned = |c: &str| fixed.contains(&c) || is_service_chain(c) || ours_declared.contains(c);
-    let jump_targets: HashSet<String> =
-        jumps.iter().filter(|j| j.table == table).filter_map(|j| j.args.last().cloned()).collect();
+    let jump_targets: HashSet<String> = jumps
+        .iter()
+        .filter(|j| j.table == table)
+        .filter_map(|j| j.args.last().cloned())
+        .collect();
 
     let mut out = format!("*{table}\n");
     let mut foreign_rules = String::new();
@@ -80,7 +90,9 @@ pub fn merge_table(table: &str, saved: &str, ours: &str, jumps: &[JumpRule]) -> 
             Some(rest) => rest.split_once("] ").map_or(line, |(_, r)| r),
             None => line,
         };
-        let Some(after) = rule.strip_prefix("-A ") else { continue };
+        let Some(after) = rule.strip_prefix("-A ") else {
+            continue;
+        };
         let chain = after.split(' ').next().unwrap_or("");
         if owned(chain) {
             continue;
@@ -104,7 +116,11 @@ pub fn merge_table(table: &str, saved: &str, ours: &str, jumps: &[JumpRule]) -> 
     }
     // A jump target that neither we nor the saved table declare is created empty, as a full
     // sync's "ensure chain" does (kubelet's KUBE-FIREWALL, for instance).
-    let saved_decls: HashSet<&str> = saved.lines().filter(|l| l.starts_with(':')).map(chain_of_decl).collect();
+    let saved_decls: HashSet<&str> = saved
+        .lines()
+        .filter(|l| l.starts_with(':'))
+        .map(chain_of_decl)
+        .collect();
     let mut targets: Vec<&String> = jump_targets.iter().collect();
     targets.sort();
     for t in targets {
@@ -124,7 +140,10 @@ pub fn merge_table(table: &str, saved: &str, ours: &str, jumps: &[JumpRule]) -> 
         out.push('\n');
     }
     out.push_str("COMMIT\n");
-    Merged { text: out, dropped_service_chains: dropped }
+    Merged {
+        text: out,
+        dropped_service_chains: dropped,
+    }
 }
 
 fn chain_of_decl(line: &str) -> &str {
@@ -144,16 +163,34 @@ mod tests {
         let m = merge_table("nat", SAVED, ours, &jump_rules());
         let t = &m.text;
         assert_eq!(m.dropped_service_chains, 1);
-        assert!(t.contains(":PREROUTING ACCEPT [10:600]\n") && t.contains(":CNI-HOSTPORT-DNAT - [0:0]\n"), "{t}");
-        assert!(t.contains("[3:180] -A PREROUTING -m addrtype --dst-type LOCAL -j CNI-HOSTPORT-DNAT\n"), "{t}");
+        assert!(
+            t.contains(":PREROUTING ACCEPT [10:600]\n") && t.contains(":CNI-HOSTPORT-DNAT - [0:0]\n"),
+            "{t}"
+        );
+        assert!(
+            t.contains("[3:180] -A PREROUTING -m addrtype --dst-type LOCAL -j CNI-HOSTPORT-DNAT\n"),
+            "{t}"
+        );
         assert!(t.contains("[0:0] -A CNI-HOSTPORT-DNAT -p tcp --dport 8080 -j DNAT --to-destination 10.1.1.1:80\n"));
         assert!(!t.contains("OLDOLD"), "stale chains and their rules are gone: {t}");
-        assert_eq!(t.matches("-j KUBE-SERVICES").count(), 2, "one jump each from PREROUTING and OUTPUT: {t}");
-        let ours_first = t.find("-A PREROUTING -m comment --comment \"kubernetes service portals\"").unwrap();
+        assert_eq!(
+            t.matches("-j KUBE-SERVICES").count(),
+            2,
+            "one jump each from PREROUTING and OUTPUT: {t}"
+        );
+        let ours_first = t
+            .find("-A PREROUTING -m comment --comment \"kubernetes service portals\"")
+            .unwrap();
         let foreign = t.find("-A PREROUTING -m addrtype").unwrap();
         assert!(ours_first < foreign, "our jump comes first: {t}");
-        assert!(t.contains(":KUBE-POSTROUTING - [0:0]") && t.contains(":KUBE-PROXY-CANARY - [0:0]"), "{t}");
-        assert!(t.ends_with("-A KUBE-SERVICES -d 10.96.0.1 -j KUBE-SVC-NEWNEWNEWNEWNEWN\nCOMMIT\n"), "{t}");
+        assert!(
+            t.contains(":KUBE-POSTROUTING - [0:0]") && t.contains(":KUBE-PROXY-CANARY - [0:0]"),
+            "{t}"
+        );
+        assert!(
+            t.ends_with("-A KUBE-SERVICES -d 10.96.0.1 -j KUBE-SVC-NEWNEWNEWNEWNEWN\nCOMMIT\n"),
+            "{t}"
+        );
     }
 
     #[test]
@@ -161,7 +198,10 @@ mod tests {
         let saved = "*filter\n:INPUT ACCEPT [0:0]\n:KUBE-FIREWALL - [0:0]\n[0:0] -A INPUT -j KUBE-FIREWALL\n[0:0] -A KUBE-FIREWALL -m comment --comment \"kubelet rule\" -j DROP\nCOMMIT\n";
         let ours = "*filter\n:KUBE-SERVICES - [0:0]\nCOMMIT\n";
         let t = merge_table("filter", saved, ours, &jump_rules()).text;
-        assert!(t.contains("kubelet rule") && t.matches(":KUBE-FIREWALL ").count() == 1, "{t}");
+        assert!(
+            t.contains("kubelet rule") && t.matches(":KUBE-FIREWALL ").count() == 1,
+            "{t}"
+        );
         let ours = "*filter\n:KUBE-FIREWALL - [0:0]\n-A KUBE-FIREWALL -m comment --comment \"ours\" -j DROP\nCOMMIT\n";
         let t = merge_table("filter", saved, ours, &jump_rules()).text;
         assert!(!t.contains("kubelet rule") && t.contains("\"ours\""), "{t}");

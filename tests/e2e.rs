@@ -1,0 +1,556 @@
+//! End-to-end: the real `kube-proxy` daemon, started with `--manifests` inside the node
+//! namespace of a test bed (see `kube_proxy::lab::testbed`), programs the kernel, and real
+//! TCP/UDP traffic from a pod, an outside host and the endpoints themselves checks where it
+//! lands. Each test builds its own bed and removes it, also on failure. The tests run one at a
+//! time (they share two CPUs and some assert latencies).
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use kube_proxy::iptables::names;
+use kube_proxy::lab::netns::ChildGuard;
+use kube_proxy::lab::probe::{ProbeArgs, ProbeReport};
+use kube_proxy::lab::testbed::{Testbed, TestbedSpec};
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+const BIN: &str = env!("CARGO_BIN_EXE_kube-proxy");
+const CLUSTER_IP: &str = "10.96.165.10";
+const NODE_PORT: u16 = 32517;
+const SYNC_PERIOD_S: u64 = 2;
+
+/// A manifest directory that is removed on drop.
+struct ManifestDir(PathBuf);
+
+impl ManifestDir {
+    fn new(tag: &str) -> ManifestDir {
+        let dir = std::env::temp_dir().join(format!("kp-e2e-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("create manifest dir");
+        ManifestDir(dir)
+    }
+
+    /// Replaces the manifests atomically (write + rename), as a config management tool would.
+    fn write(&self, yaml: &str) {
+        let tmp = self.0.join(".services.yaml.tmp");
+        std::fs::write(&tmp, yaml).expect("write manifests");
+        std::fs::rename(&tmp, self.0.join("services.yaml")).expect("rename manifests");
+    }
+}
+
+impl Drop for ManifestDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// An endpoint in a slice: its IP and the node it runs on.
+struct Ep {
+    ip: IpAddr,
+    node: &'static str,
+}
+
+fn local(ip: IpAddr) -> Ep {
+    Ep { ip, node: "node-a" }
+}
+
+/// One Service with its EndpointSlice; `spec_extra` is YAML added under `spec:`.
+fn service(
+    name: &str,
+    cluster_ip: &str,
+    protocol: &str,
+    node_port: Option<u16>,
+    spec_extra: &str,
+    status: &str,
+    eps: &[Ep],
+) -> String {
+    let kind = if node_port.is_some() { "NodePort" } else { "ClusterIP" };
+    let kind = if status.is_empty() { kind } else { "LoadBalancer" };
+    let np = node_port.map(|p| format!(", nodePort: {p}")).unwrap_or_default();
+    let mut endpoints = String::new();
+    for e in eps {
+        endpoints.push_str(&format!(
+            "- addresses: [\"{}\"]\n  nodeName: {}\n  conditions: {{ready: true}}\n",
+            e.ip, e.node
+        ));
+    }
+    if endpoints.is_empty() {
+        endpoints.push_str("[]\n");
+    } else {
+        endpoints.insert(0, '\n');
+    }
+    format!(
+        "---\napiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: default}}\nspec:\n  type: {kind}\n  clusterIP: {cluster_ip}\n  ports: [{{name: p, protocol: {protocol}, port: 80, targetPort: 8080{np}}}]\n{spec_extra}{status}---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}-1\n  namespace: default\n  labels: {{kubernetes.io/service-name: {name}}}\naddressType: IPv4\nports: [{{name: p, protocol: {protocol}, port: 8080}}]\nendpoints: {endpoints}"
+    )
+}
+
+const NODE: &str = "apiVersion: v1\nkind: Node\nmetadata: {name: node-a}\nstatus:\n  addresses: [{type: InternalIP, address: 192.168.49.2}]\n";
+
+fn web(eps: &[Ep]) -> String {
+    format!(
+        "{NODE}{}",
+        service("web", CLUSTER_IP, "TCP", Some(NODE_PORT), "", "", eps)
+    )
+}
+
+struct Cluster {
+    bed: Testbed,
+    dir: ManifestDir,
+    daemon: Option<ChildGuard>,
+}
+
+impl Cluster {
+    fn start(tag: &str, endpoints: usize, manifests: impl Fn(&Testbed) -> String) -> Cluster {
+        let mut spec = TestbedSpec::new(format!("kpe-{tag}"), BIN);
+        spec.endpoints = endpoints;
+        let bed = Testbed::build(&spec).expect("test bed builds (root and iproute2 needed)");
+        let dir = ManifestDir::new(tag);
+        dir.write(&manifests(&bed));
+        let mut c = Cluster { bed, dir, daemon: None };
+        c.start_daemon();
+        c
+    }
+
+    fn start_daemon(&mut self) {
+        let args: Vec<String> = [
+            "--hostname-override=node-a",
+            "--cluster-cidr=10.244.0.0/16",
+            "--iptables-min-sync-period=0s",
+            &format!("--iptables-sync-period={SYNC_PERIOD_S}s"),
+            "--manifests",
+            &self.dir.0.display().to_string(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let daemon = self.bed.spawn_in_node(Path::new(BIN), &args).expect("daemon starts");
+        daemon
+            .wait_for_log("Synced iptables rules", Duration::from_secs(20))
+            .expect("first sync");
+        self.daemon = Some(daemon);
+    }
+
+    fn nat(&self) -> String {
+        self.bed
+            .node
+            .exec_ok("iptables-save", ["-t", "nat"])
+            .expect("iptables-save")
+    }
+
+    fn filter(&self) -> String {
+        self.bed
+            .node
+            .exec_ok("iptables-save", ["-t", "filter"])
+            .expect("iptables-save")
+    }
+
+    fn probe_client(&self, args: &ProbeArgs) -> ProbeReport {
+        self.bed.probe(&self.bed.client, args).expect("probe runs")
+    }
+
+    fn daemon_log(&self) -> String {
+        self.daemon.as_ref().map(ChildGuard::log).unwrap_or_default()
+    }
+}
+
+fn cip(port: u16) -> SocketAddr {
+    SocketAddr::new(CLUSTER_IP.parse().unwrap(), port)
+}
+
+/// Polls `check` until it is true or `timeout` passes; returns the time it took.
+fn wait_until(timeout: Duration, what: &str, mut check: impl FnMut() -> bool) -> Duration {
+    let start = Instant::now();
+    loop {
+        if check() {
+            return start.elapsed();
+        }
+        assert!(
+            start.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn sep_chain(ep: &SocketAddr) -> String {
+    names::endpoint_chain("default/web:p", "tcp", &ep.to_string())
+}
+
+#[test]
+fn cluster_ip_spreads_300_connections_evenly() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let c = Cluster::start("dist", 3, |b| {
+        web(&b.endpoints().iter().map(|e| local(e.ip)).collect::<Vec<_>>())
+    });
+    let report = c.probe_client(&ProbeArgs::tcp(cip(80)).with_count(300));
+    assert_eq!(
+        report.ok_count(),
+        300,
+        "every connection answered: {:?}",
+        report.errors()
+    );
+    let counts = report.names();
+    println!("300 connections: {counts:?}");
+    assert_eq!(counts.len(), 3, "every endpoint used: {counts:?}");
+    // Chi-square goodness of fit to a uniform split; 2 degrees of freedom, p = 0.001 → 13.816.
+    let expected = 100.0;
+    let chi2: f64 = counts.values().map(|&n| (n as f64 - expected).powi(2) / expected).sum();
+    assert!(
+        chi2 < 13.816,
+        "split {counts:?} fails the chi-square test (χ² = {chi2:.2})"
+    );
+    // A pod's connection keeps its source address (no masquerade for in-cluster clients).
+    assert_eq!(
+        report.seen_sources().into_iter().collect::<Vec<_>>(),
+        vec![c.bed.client_ip()]
+    );
+}
+
+#[test]
+fn scaling_to_four_endpoints_goes_live() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut c = Cluster::start("scale", 3, |b| {
+        web(&b.endpoints().iter().map(|e| local(e.ip)).collect::<Vec<_>>())
+    });
+    let new = c.bed.add_endpoint().expect("fourth endpoint").server_addr();
+    let all: Vec<Ep> = c.bed.endpoints().iter().map(|e| local(e.ip)).collect();
+    let chain = sep_chain(&new);
+    let changed = Instant::now();
+    c.dir.write(&web(&all));
+    wait_until(Duration::from_secs(10), "the new KUBE-SEP chain", || {
+        c.nat().contains(&format!("-A {chain} "))
+    });
+    println!("file change → new endpoint's rules live: {:?}", changed.elapsed());
+    let report = c.probe_client(&ProbeArgs::tcp(cip(80)).with_count(100));
+    assert_eq!(report.ok_count(), 100, "{:?}", report.errors());
+    let names = report.names();
+    assert!(
+        names.contains_key(&c.bed.endpoint(3).name),
+        "the new endpoint receives traffic: {names:?}"
+    );
+}
+
+#[test]
+fn zero_endpoints_are_refused_at_once_and_one_brings_traffic_back() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let c = Cluster::start("zero", 1, |b| web(&[local(b.endpoint(0).ip)]));
+    c.dir.write(&web(&[]));
+    wait_until(Duration::from_secs(10), "the REJECT rule", || {
+        c.filter().contains("default/web:p has no endpoints")
+    });
+    let report = c.probe_client(&ProbeArgs::tcp(cip(80)).with_count(5).with_timeout_ms(2000));
+    for a in &report.attempts {
+        assert_eq!(
+            a.error.as_deref(),
+            Some("refused"),
+            "connection refused, not a timeout: {a:?}"
+        );
+        assert!(a.elapsed_us < 100_000, "refused within 100 ms: {a:?}");
+    }
+    c.dir.write(&web(&[local(c.bed.endpoint(0).ip)]));
+    wait_until(Duration::from_secs(10), "traffic again", || {
+        c.probe_client(&ProbeArgs::tcp(cip(80)).with_count(1)).all_ok()
+    });
+}
+
+#[test]
+fn node_port_from_outside_and_external_traffic_policy_local() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let c = Cluster::start("np", 2, |b| {
+        let ep = b.endpoint(0).ip;
+        let remote = b.endpoint(1).ip;
+        format!(
+            "{NODE}{}{}{}",
+            service("web", CLUSTER_IP, "TCP", Some(NODE_PORT), "", "", &[local(ep)]),
+            service(
+                "keep-src",
+                "10.96.165.11",
+                "TCP",
+                Some(32518),
+                "  externalTrafficPolicy: Local\n",
+                "",
+                &[local(ep)]
+            ),
+            service(
+                "elsewhere",
+                "10.96.165.12",
+                "TCP",
+                Some(32519),
+                "  externalTrafficPolicy: Local\n",
+                "",
+                &[Ep {
+                    ip: remote,
+                    node: "node-b"
+                }]
+            ),
+        )
+    });
+    let node = c.bed.node_ip();
+    let outside = c.bed.outside_ips()[0];
+    let probe = |port: u16| {
+        c.bed
+            .probe(
+                &c.bed.outside,
+                &ProbeArgs::tcp(SocketAddr::new(node, port))
+                    .with_bind(outside)
+                    .with_count(5),
+            )
+            .expect("probe")
+    };
+    // Cluster policy: masqueraded, the endpoint sees one of the node's addresses.
+    let r = probe(NODE_PORT);
+    assert!(r.all_ok(), "{:?}", r.errors());
+    let seen = r.seen_sources();
+    assert!(
+        !seen.contains(&outside)
+            && seen
+                .iter()
+                .all(|s| s.to_string().starts_with("10.244.") && s.to_string().ends_with(".1")),
+        "node address seen: {seen:?}"
+    );
+    // Local policy with a local endpoint: the client's own address is seen.
+    let r = probe(32518);
+    assert!(r.all_ok(), "{:?}", r.errors());
+    assert_eq!(r.seen_sources().into_iter().collect::<Vec<_>>(), vec![outside]);
+    // Local policy without local endpoints: dropped (a timeout, not a refusal).
+    let r = c
+        .bed
+        .probe(
+            &c.bed.outside,
+            &ProbeArgs::tcp(SocketAddr::new(node, 32519))
+                .with_bind(outside)
+                .with_count(2)
+                .with_timeout_ms(700),
+        )
+        .expect("probe");
+    assert_eq!(r.errors(), BTreeMap::from([("timeout".to_string(), 2)]), "dropped");
+}
+
+#[test]
+fn session_affinity_keeps_a_client_on_one_endpoint() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let c = Cluster::start("affinity", 3, |b| {
+        let eps: Vec<Ep> = b.endpoints().iter().map(|e| local(e.ip)).collect();
+        format!(
+            "{NODE}{}",
+            service(
+                "web", CLUSTER_IP, "TCP", None, "  sessionAffinity: ClientIP\n", "", &eps
+            )
+        )
+    });
+    let report = c.probe_client(&ProbeArgs::tcp(cip(80)).with_count(50));
+    assert_eq!(report.ok_count(), 50, "{:?}", report.errors());
+    assert_eq!(report.names().len(), 1, "one endpoint for all 50: {:?}", report.names());
+}
+
+#[test]
+fn load_balancer_source_ranges_allow_one_source_and_drop_another() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let c = Cluster::start("lbsr", 1, |b| {
+        let extra = "  loadBalancerSourceRanges: [\"192.168.49.77/32\"]\n";
+        let status = "status:\n  loadBalancer: {ingress: [{ip: 203.0.113.10}]}\n";
+        format!(
+            "{NODE}{}",
+            service(
+                "web",
+                CLUSTER_IP,
+                "TCP",
+                Some(NODE_PORT),
+                extra,
+                status,
+                &[local(b.endpoint(0).ip)]
+            )
+        )
+    });
+    let lb: SocketAddr = "203.0.113.10:80".parse().unwrap();
+    let [allowed, other] = c.bed.outside_ips();
+    let ok = c
+        .bed
+        .probe(&c.bed.outside, &ProbeArgs::tcp(lb).with_bind(allowed).with_count(3))
+        .expect("probe");
+    assert!(ok.all_ok(), "allowed source connects: {:?}", ok.errors());
+    let denied = c
+        .bed
+        .probe(
+            &c.bed.outside,
+            &ProbeArgs::tcp(lb).with_bind(other).with_count(2).with_timeout_ms(700),
+        )
+        .expect("probe");
+    assert_eq!(
+        denied.errors(),
+        BTreeMap::from([("timeout".to_string(), 2)]),
+        "other source dropped"
+    );
+}
+
+#[test]
+fn hairpin_an_endpoint_reaches_its_own_service() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let c = Cluster::start("hairpin", 3, |b| {
+        web(&b.endpoints().iter().map(|e| local(e.ip)).collect::<Vec<_>>())
+    });
+    let me = c.bed.endpoint(0);
+    let report = c
+        .bed
+        .probe(&me.ns, &ProbeArgs::tcp(cip(80)).with_count(30))
+        .expect("probe");
+    assert_eq!(report.ok_count(), 30, "{:?}", report.errors());
+    let to_self: Vec<_> = report
+        .attempts
+        .iter()
+        .filter(|a| a.name.as_deref() == Some(me.name.as_str()))
+        .collect();
+    assert!(
+        !to_self.is_empty(),
+        "some connections land on the endpoint itself: {:?}",
+        report.names()
+    );
+    for a in to_self {
+        assert_ne!(a.seen_src, Some(me.ip), "hairpin traffic is masqueraded: {a:?}");
+    }
+}
+
+#[test]
+fn udp_client_moves_to_a_live_endpoint_within_a_second() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let udp_service = |eps: &[Ep]| format!("{NODE}{}", service("dns", CLUSTER_IP, "UDP", None, "", "", eps));
+    let mut c = Cluster::start("udp", 2, |b| udp_service(&[local(b.endpoint(0).ip)]));
+    let args = ProbeArgs::udp(cip(80))
+        .with_count(80)
+        .with_interval_ms(50)
+        .with_timeout_ms(200);
+    let report = std::thread::scope(|s| {
+        let bed = &c.bed;
+        let handle = s.spawn(move || bed.probe(&bed.client, &args));
+        // Let the flow establish on the first endpoint, then replace it by the second. The
+        // first one keeps answering whatever still reaches it, so only the deletion of the
+        // stale conntrack entry moves the client.
+        std::thread::sleep(Duration::from_millis(800));
+        c.dir.write(&udp_service(&[local(c.bed.endpoint(1).ip)]));
+        handle.join().expect("probe thread").expect("probe")
+    });
+    c.bed
+        .remove_endpoint(&c.bed.endpoint(0).name.clone())
+        .expect("remove the old endpoint");
+    // The probe started ~800 ms before the change (a little more, for its own start); answers
+    // must come from the live endpoint within 1 s of it, and keep coming.
+    let change_ms = 800u64;
+    let second = &c.bed.endpoint(0).name;
+    let first_from_live = report
+        .attempts
+        .iter()
+        .find(|a| a.ok && a.name.as_deref() == Some(second.as_str()));
+    let first_from_live = first_from_live.unwrap_or_else(|| {
+        panic!(
+            "never answered by the live endpoint: {:?} / {}",
+            report.names(),
+            c.daemon_log()
+        )
+    });
+    println!(
+        "UDP: first answer from the live endpoint {} ms after the change",
+        first_from_live.t_ms.saturating_sub(change_ms)
+    );
+    assert!(
+        first_from_live.t_ms <= change_ms + 1200,
+        "moved within ~1 s: {first_from_live:?}"
+    );
+    let late: Vec<_> = report
+        .attempts
+        .iter()
+        .filter(|a| a.t_ms > first_from_live.t_ms + 200)
+        .collect();
+    assert!(
+        late.iter().all(|a| a.ok && a.name.as_deref() == Some(second.as_str())),
+        "keeps answering from the live endpoint: {late:?}"
+    );
+}
+
+#[test]
+fn kill_9_keeps_streams_and_restart_converges_without_duplicates() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut c = Cluster::start("kill9", 3, |b| {
+        web(&b.endpoints().iter().map(|e| local(e.ip)).collect::<Vec<_>>())
+    });
+    let args = ProbeArgs::tcp(cip(80)).with_stream_seconds(3.0).with_interval_ms(50);
+    let stream = std::thread::scope(|s| {
+        let bed = &c.bed;
+        let handle = s.spawn(move || bed.probe(&bed.client, &args));
+        std::thread::sleep(Duration::from_millis(700));
+        let mut daemon = c.daemon.take().expect("daemon running");
+        daemon.signal(nix::sys::signal::Signal::SIGKILL).expect("kill -9");
+        daemon
+            .wait_timeout(Duration::from_secs(5))
+            .expect("wait")
+            .expect("daemon exited");
+        // With the daemon dead, the rules stay and new connections keep working.
+        let fresh = c.probe_client(&ProbeArgs::tcp(cip(80)).with_count(20));
+        assert_eq!(
+            fresh.ok_count(),
+            20,
+            "new connections while the daemon is dead: {:?}",
+            fresh.errors()
+        );
+        handle.join().expect("probe thread").expect("probe")
+    });
+    let st = stream.stream.as_ref().expect("stream report");
+    assert!(
+        st.sent >= 40 && st.echoed == st.sent && st.errors.is_empty(),
+        "stream unaffected: {st:?}"
+    );
+
+    let before = c.nat();
+    c.start_daemon();
+    let after = c.nat();
+    let count = |text: &str, needle: &str| text.lines().filter(|l| l.contains(needle)).count();
+    assert_eq!(
+        count(&after, ":KUBE-SEP-"),
+        3,
+        "no stale or duplicate endpoint chains:\n{after}"
+    );
+    assert_eq!(
+        count(
+            &after,
+            "-A PREROUTING -m comment --comment \"kubernetes service portals\""
+        ),
+        1,
+        "one jump:\n{after}"
+    );
+    assert_eq!(
+        count(&after, "-A KUBE-SERVICES "),
+        count(&before, "-A KUBE-SERVICES "),
+        "same service rules:\n{after}"
+    );
+    let fresh = c.probe_client(&ProbeArgs::tcp(cip(80)).with_count(20));
+    assert_eq!(fresh.ok_count(), 20, "{:?}", fresh.errors());
+}
+
+#[test]
+fn a_flushed_nat_table_is_repaired_within_the_sync_period() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let c = Cluster::start("flush", 2, |b| {
+        web(&b.endpoints().iter().map(|e| local(e.ip)).collect::<Vec<_>>())
+    });
+    assert!(c.probe_client(&ProbeArgs::tcp(cip(80)).with_count(3)).all_ok());
+    c.bed.node.exec_ok("iptables", ["-t", "nat", "-F"]).expect("flush nat");
+    let flushed = Instant::now();
+    let broken = c.probe_client(&ProbeArgs::tcp(cip(80)).with_count(1).with_timeout_ms(300));
+    assert!(!broken.all_ok(), "the flush broke the Service");
+    let took = wait_until(
+        Duration::from_secs(SYNC_PERIOD_S * 3),
+        "connectivity after the flush",
+        || {
+            c.probe_client(&ProbeArgs::tcp(cip(80)).with_count(1).with_timeout_ms(300))
+                .all_ok()
+        },
+    );
+    let total = flushed.elapsed();
+    println!("nat flush repaired after {total:?} (sync period {SYNC_PERIOD_S}s)");
+    assert!(
+        total <= Duration::from_millis(SYNC_PERIOD_S * 1000 + 700),
+        "back within the sync period: {total:?} ({took:?} polling)"
+    );
+}
