@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use kube_proxy::iptables::names;
 use kube_proxy::lab::netns::ChildGuard;
 use kube_proxy::lab::probe::{ProbeArgs, ProbeReport};
+use kube_proxy::lab::scenario::{Ep, ServiceSpec, manifests};
 use kube_proxy::lab::testbed::{Testbed, TestbedSpec};
 
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -47,53 +48,14 @@ impl Drop for ManifestDir {
     }
 }
 
-/// An endpoint in a slice: its IP and the node it runs on.
-struct Ep {
-    ip: IpAddr,
-    node: &'static str,
-}
-
 fn local(ip: IpAddr) -> Ep {
-    Ep { ip, node: "node-a" }
+    Ep::local(ip)
 }
-
-/// One Service with its EndpointSlice; `spec_extra` is YAML added under `spec:`.
-fn service(
-    name: &str,
-    cluster_ip: &str,
-    protocol: &str,
-    node_port: Option<u16>,
-    spec_extra: &str,
-    status: &str,
-    eps: &[Ep],
-) -> String {
-    let kind = if node_port.is_some() { "NodePort" } else { "ClusterIP" };
-    let kind = if status.is_empty() { kind } else { "LoadBalancer" };
-    let np = node_port.map(|p| format!(", nodePort: {p}")).unwrap_or_default();
-    let mut endpoints = String::new();
-    for e in eps {
-        endpoints.push_str(&format!(
-            "- addresses: [\"{}\"]\n  nodeName: {}\n  conditions: {{ready: true}}\n",
-            e.ip, e.node
-        ));
-    }
-    if endpoints.is_empty() {
-        endpoints.push_str("[]\n");
-    } else {
-        endpoints.insert(0, '\n');
-    }
-    format!(
-        "---\napiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: default}}\nspec:\n  type: {kind}\n  clusterIP: {cluster_ip}\n  ports: [{{name: p, protocol: {protocol}, port: 80, targetPort: 8080{np}}}]\n{spec_extra}{status}---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}-1\n  namespace: default\n  labels: {{kubernetes.io/service-name: {name}}}\naddressType: IPv4\nports: [{{name: p, protocol: {protocol}, port: 8080}}]\nendpoints: {endpoints}"
-    )
-}
-
-const NODE: &str = "apiVersion: v1\nkind: Node\nmetadata: {name: node-a}\nstatus:\n  addresses: [{type: InternalIP, address: 192.168.49.2}]\n";
 
 fn web(eps: &[Ep]) -> String {
-    format!(
-        "{NODE}{}",
-        service("web", CLUSTER_IP, "TCP", Some(NODE_PORT), "", "", eps)
-    )
+    let mut svc = ServiceSpec::new("web", CLUSTER_IP, eps);
+    svc.node_port = Some(NODE_PORT);
+    manifests(&[svc])
 }
 
 struct Cluster {
@@ -262,31 +224,20 @@ fn node_port_from_outside_and_external_traffic_policy_local() {
     let c = Cluster::start("np", 2, |b| {
         let ep = b.endpoint(0).ip;
         let remote = b.endpoint(1).ip;
-        format!(
-            "{NODE}{}{}{}",
-            service("web", CLUSTER_IP, "TCP", Some(NODE_PORT), "", "", &[local(ep)]),
-            service(
-                "keep-src",
-                "10.96.165.11",
-                "TCP",
-                Some(32518),
-                "  externalTrafficPolicy: Local\n",
-                "",
-                &[local(ep)]
-            ),
-            service(
-                "elsewhere",
-                "10.96.165.12",
-                "TCP",
-                Some(32519),
-                "  externalTrafficPolicy: Local\n",
-                "",
-                &[Ep {
-                    ip: remote,
-                    node: "node-b"
-                }]
-            ),
-        )
+        let here = [local(ep)];
+        let there = [Ep {
+            ip: remote,
+            node: "node-b",
+        }];
+        let mut web = ServiceSpec::new("web", CLUSTER_IP, &here);
+        web.node_port = Some(NODE_PORT);
+        let mut keep = ServiceSpec::new("keep-src", "10.96.165.11", &here);
+        keep.node_port = Some(32518);
+        keep.spec_extra = "  externalTrafficPolicy: Local\n";
+        let mut elsewhere = ServiceSpec::new("elsewhere", "10.96.165.12", &there);
+        elsewhere.node_port = Some(32519);
+        elsewhere.spec_extra = "  externalTrafficPolicy: Local\n";
+        manifests(&[web, keep, elsewhere])
     });
     let node = c.bed.node_ip();
     let outside = c.bed.outside_ips()[0];
@@ -334,12 +285,9 @@ fn session_affinity_keeps_a_client_on_one_endpoint() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let c = Cluster::start("affinity", 3, |b| {
         let eps: Vec<Ep> = b.endpoints().iter().map(|e| local(e.ip)).collect();
-        format!(
-            "{NODE}{}",
-            service(
-                "web", CLUSTER_IP, "TCP", None, "  sessionAffinity: ClientIP\n", "", &eps
-            )
-        )
+        let mut svc = ServiceSpec::new("web", CLUSTER_IP, &eps);
+        svc.spec_extra = "  sessionAffinity: ClientIP\n";
+        manifests(&[svc])
     });
     let report = c.probe_client(&ProbeArgs::tcp(cip(80)).with_count(50));
     assert_eq!(report.ok_count(), 50, "{:?}", report.errors());
@@ -350,20 +298,12 @@ fn session_affinity_keeps_a_client_on_one_endpoint() {
 fn load_balancer_source_ranges_allow_one_source_and_drop_another() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let c = Cluster::start("lbsr", 1, |b| {
-        let extra = "  loadBalancerSourceRanges: [\"192.168.49.77/32\"]\n";
-        let status = "status:\n  loadBalancer: {ingress: [{ip: 203.0.113.10}]}\n";
-        format!(
-            "{NODE}{}",
-            service(
-                "web",
-                CLUSTER_IP,
-                "TCP",
-                Some(NODE_PORT),
-                extra,
-                status,
-                &[local(b.endpoint(0).ip)]
-            )
-        )
+        let eps = [local(b.endpoint(0).ip)];
+        let mut svc = ServiceSpec::new("web", CLUSTER_IP, &eps);
+        svc.node_port = Some(NODE_PORT);
+        svc.spec_extra = "  loadBalancerSourceRanges: [\"192.168.49.77/32\"]\n";
+        svc.load_balancer_ip = Some("203.0.113.10");
+        manifests(&[svc])
     });
     let lb: SocketAddr = "203.0.113.10:80".parse().unwrap();
     let [allowed, other] = c.bed.outside_ips();
@@ -416,7 +356,11 @@ fn hairpin_an_endpoint_reaches_its_own_service() {
 #[test]
 fn udp_client_moves_to_a_live_endpoint_within_a_second() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let udp_service = |eps: &[Ep]| format!("{NODE}{}", service("dns", CLUSTER_IP, "UDP", None, "", "", eps));
+    let udp_service = |eps: &[Ep]| {
+        let mut svc = ServiceSpec::new("dns", CLUSTER_IP, eps);
+        svc.protocol = "UDP";
+        manifests(&[svc])
+    };
     let mut c = Cluster::start("udp", 2, |b| udp_service(&[local(b.endpoint(0).ip)]));
     let args = ProbeArgs::udp(cip(80))
         .with_count(80)

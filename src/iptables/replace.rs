@@ -124,7 +124,8 @@ pub fn merge_table(table: &str, saved: &str, ours: &str, jumps: &[JumpRule]) -> 
     let mut targets: Vec<&String> = jump_targets.iter().collect();
     targets.sort();
     for t in targets {
-        if !declared.contains(t.as_str()) && !(saved_decls.contains(t.as_str()) && !owned(t)) {
+        let kept_foreign = saved_decls.contains(t.as_str()) && !owned(t);
+        if !declared.contains(t.as_str()) && !kept_foreign {
             let _ = writeln!(decls, ":{t} - [0:0]");
             declared.insert(t.clone());
         }

@@ -3,4 +3,5 @@
 
 pub mod netns;
 pub mod probe;
+pub mod scenario;
 pub mod testbed;
