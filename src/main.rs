@@ -46,6 +46,9 @@ enum Command {
 struct LabArgs {
     #[command(subcommand)]
     action: Option<LabAction>,
+    /// New connections for the distribution experiment.
+    #[arg(long, default_value_t = 300)]
+    connections: u32,
 }
 
 #[derive(Subcommand, Debug)]
@@ -259,7 +262,10 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Some(Command::Lab(args)) => match args.action {
             Some(LabAction::Serve(a)) => kube_proxy::lab::probe::serve(&a).map(|_| ExitCode::SUCCESS),
             Some(LabAction::Probe(a)) => kube_proxy::lab::probe::probe(&a).map(|_| ExitCode::SUCCESS),
-            None => bail!("the lab is not available in this build yet"),
+            None => {
+                let binary = std::env::current_exe().context("locating the kube-proxy binary")?;
+                kube_proxy::lab::run::main(binary, cfg.mode, args.connections).map(|_| ExitCode::SUCCESS)
+            }
         },
     }
 }

@@ -3,5 +3,6 @@
 
 pub mod netns;
 pub mod probe;
+pub mod run;
 pub mod scenario;
 pub mod testbed;

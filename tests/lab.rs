@@ -1,0 +1,35 @@
+//! `kube-proxy lab` runs end to end as root, prints every section of its report, and leaves
+//! no namespace or process behind.
+
+use std::process::Command;
+
+#[test]
+fn lab_reports_every_step_and_cleans_up() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kube-proxy")).args(["lab", "--connections", "90"]).output().expect("lab runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "lab failed: {stderr}\n{stdout}");
+    for needle in [
+        "1. The chains of Service default/web:p",
+        "-m statistic --mode random --probability 0.33333333349",
+        "DNAT --to-destination 10.244.1.2:8080",
+        "2. 90 new TCP connections",
+        ": uniform",
+        "3. Scale to 4 endpoints",
+        "DNAT to 10.244.4.2:8080) live after",
+        "has no endpoints",
+        "refused after",
+        "5. The NodePort from the outside host",
+        "6. A few conntrack entries",
+        "Done:",
+    ] {
+        assert!(stdout.contains(needle), "report lacks {needle:?}:\n{stdout}");
+    }
+    let listed = Command::new("ip").args(["netns", "list"]).output().expect("ip netns list");
+    let leftover: Vec<String> = String::from_utf8_lossy(&listed.stdout)
+        .lines()
+        .filter(|l| l.starts_with("kplab-"))
+        .map(str::to_string)
+        .collect();
+    assert!(leftover.is_empty(), "namespaces left behind: {leftover:?}");
+}
