@@ -5,7 +5,10 @@ use std::process::Command;
 
 #[test]
 fn lab_reports_every_step_and_cleans_up() {
-    let out = Command::new(env!("CARGO_BIN_EXE_kube-proxy")).args(["lab", "--connections", "90"]).output().expect("lab runs");
+    let out = Command::new(env!("CARGO_BIN_EXE_kube-proxy"))
+        .args(["lab", "--connections", "90"])
+        .output()
+        .expect("lab runs");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "lab failed: {stderr}\n{stdout}");
@@ -25,7 +28,10 @@ fn lab_reports_every_step_and_cleans_up() {
     ] {
         assert!(stdout.contains(needle), "report lacks {needle:?}:\n{stdout}");
     }
-    let listed = Command::new("ip").args(["netns", "list"]).output().expect("ip netns list");
+    let listed = Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .expect("ip netns list");
     let leftover: Vec<String> = String::from_utf8_lossy(&listed.stdout)
         .lines()
         .filter(|l| l.starts_with("kplab-"))

@@ -66,14 +66,10 @@ struct CachedService {
 }
 
 /// What is in the kernel after the last successful sync.
+/// What is in the kernel after the last successful sync, besides the per-service fragments.
 struct Applied {
     ctx: RenderContext,
     filter: String,
-    masquerade: String,
-    services: String,
-    nodeports: String,
-    /// Every per-service chain we own in nat.
-    chains: HashSet<String>,
 }
 
 pub struct Proxier<I: Iptables> {
@@ -154,10 +150,14 @@ impl<I: Iptables> Proxier<I> {
             self.ensure_setup().map_err(SyncError::Setup)?;
         }
 
-        // Render what changed (everything on a full sync).
+        // Render what changed (everything on a full sync). The work below is proportional to
+        // the number of changed service ports, except for cheap comparisons of the others.
         let mut old = std::mem::take(&mut self.services);
         let mut order: Vec<(&ServicePortName, bool)> = Vec::with_capacity(state.service_ports.len());
         let mut gained_endpoints = false;
+        // Whether the content of the fixed chains changed, and the chains we stopped using.
+        let (mut services_changed, mut nodeports_changed, mut filter_changed) = (false, false, false);
+        let mut stale: Vec<String> = Vec::new();
         for sps in &state.service_ports {
             let key = &sps.port.name;
             let previous = old.remove(key);
@@ -166,10 +166,27 @@ impl<I: Iptables> Proxier<I> {
                 Some(p) if reuse => p,
                 previous => {
                     let fragment = render_service(sps, &ctx);
-                    let had = previous.as_ref().is_some_and(|p| p.fragment.has_endpoints);
-                    gained_endpoints |= fragment.has_endpoints && !had;
-                    if let Some(p) = &previous {
-                        report.udp_endpoints_removed |= lost_udp_endpoints(&p.state, sps);
+                    match &previous {
+                        Some(p) => {
+                            gained_endpoints |= fragment.has_endpoints && !p.fragment.has_endpoints;
+                            report.udp_endpoints_removed |= lost_udp_endpoints(&p.state, sps);
+                            services_changed |= p.fragment.services_rules != fragment.services_rules;
+                            nodeports_changed |= p.fragment.nodeports_rules != fragment.nodeports_rules;
+                            filter_changed |= p.fragment.filter_rules != fragment.filter_rules;
+                            stale.extend(
+                                p.fragment
+                                    .chains
+                                    .iter()
+                                    .filter(|c| !fragment.chains.contains(c))
+                                    .cloned(),
+                            );
+                        }
+                        None => {
+                            gained_endpoints |= fragment.has_endpoints;
+                            services_changed |= !fragment.services_rules.is_empty();
+                            nodeports_changed |= !fragment.nodeports_rules.is_empty();
+                            filter_changed |= !fragment.filter_rules.is_empty();
+                        }
                     }
                     CachedService {
                         state: sps.clone(),
@@ -180,55 +197,56 @@ impl<I: Iptables> Proxier<I> {
             order.push((key, !reuse));
             self.services.insert(key.clone(), cached);
         }
-        report.udp_endpoints_removed |= old
-            .values()
-            .any(|c| c.state.port.protocol == crate::model::Protocol::Udp);
+        // Service ports that are gone.
+        for gone in old.values() {
+            report.udp_endpoints_removed |= gone.state.port.protocol == crate::model::Protocol::Udp;
+            services_changed |= !gone.fragment.services_rules.is_empty();
+            nodeports_changed |= !gone.fragment.nodeports_rules.is_empty();
+            filter_changed |= !gone.fragment.filter_rules.is_empty();
+            stale.extend(gone.fragment.chains.iter().cloned());
+        }
         report.rewritten_services = order.iter().filter(|(_, changed)| *changed).count();
         let fragments: Vec<(&ServiceFragment, bool)> = order
             .iter()
             .map(|(k, changed)| (&self.services[*k].fragment, *changed))
             .collect();
 
-        let filter = filter_section(&ctx, fragments.iter().map(|(f, _)| *f));
+        let prev = if full { None } else { self.applied.take() };
+        let write_filter = prev.is_none() || filter_changed;
+        let write_services = prev.is_none() || services_changed;
+        let write_nodeports = prev.is_none() || nodeports_changed;
+        let write_masq = prev.is_none();
+        let filter = if write_filter {
+            filter_section(&ctx, fragments.iter().map(|(f, _)| *f))
+        } else {
+            prev.as_ref().map(|a| a.filter.clone()).unwrap_or_default()
+        };
         let masquerade = masquerade_rules(&ctx);
-        let mut services = String::new();
-        let mut nodeports = String::new();
-        for (f, _) in &fragments {
-            services.push_str(&f.services_rules);
-            nodeports.push_str(&f.nodeports_rules);
-        }
-        services.push_str(&nodeports_tail(&ctx));
-        let chains: HashSet<String> = fragments.iter().flat_map(|(f, _)| f.chains.iter().cloned()).collect();
 
         if by_replacing {
             let (report, applied) = replace_tables(
-                &mut self.ipt, &ctx, &filter, &masquerade, &fragments, chains, services, nodeports, gained_endpoints,
-                report,
+                &mut self.ipt, &ctx, &filter, &masquerade, &fragments, gained_endpoints, report,
             )?;
             self.applied = Some(applied);
             return Ok(report);
         }
 
-        // Chains to delete: on a full sync whatever the kernel has that we no longer use
-        // (rules left by an earlier run, ours or upstream's); otherwise what we stopped using.
-        let mut stale: Vec<String> = match (&self.applied, full) {
-            (Some(applied), false) => applied.chains.difference(&chains).cloned().collect(),
-            _ => {
-                let saved = self.ipt.save("nat").map_err(SyncError::Save)?;
-                existing_chains(&saved)
-                    .into_iter()
-                    .filter(|c| is_service_chain(c) && !chains.contains(c))
-                    .collect()
-            }
-        };
+        // On a full sync, delete whatever the kernel has that we do not use (rules left by an
+        // earlier run, ours or upstream's).
+        if prev.is_none() {
+            let saved = self.ipt.save("nat").map_err(SyncError::Save)?;
+            let active: HashSet<&str> = fragments
+                .iter()
+                .flat_map(|(f, _)| f.chains.iter().map(String::as_str))
+                .collect();
+            stale = existing_chains(&saved)
+                .into_iter()
+                .filter(|c| is_service_chain(c) && !active.contains(c.as_str()))
+                .collect();
+        }
         stale.sort();
+        stale.dedup();
         report.deleted_chains = stale.len();
-
-        let prev = self.applied.as_ref();
-        let write_filter = full || prev.is_none_or(|a| a.filter != filter);
-        let write_masq = full || prev.is_none_or(|a| a.masquerade != masquerade);
-        let write_services = full || prev.is_none_or(|a| a.services != services);
-        let write_nodeports = full || prev.is_none_or(|a| a.nodeports != nodeports);
 
         let mut nat = String::new();
         let mut declared = 0usize;
@@ -284,7 +302,7 @@ impl<I: Iptables> Proxier<I> {
         } else {
             String::new()
         };
-        let filter_section = if write_filter { filter.clone() } else { String::new() };
+        let filter_section = if write_filter { filter.as_str() } else { "" };
         // iptables-restore commits each table on its own. A Service that gains endpoints must
         // get its DNAT before its REJECT goes, and one that loses them its REJECT before its
         // DNAT goes (see PITFALLS: a SYN in between is forwarded un-NATed).
@@ -297,14 +315,7 @@ impl<I: Iptables> Proxier<I> {
             self.ipt.restore(&input).map_err(SyncError::Restore)?;
         }
         report.restore_bytes = input.len();
-        self.applied = Some(Applied {
-            ctx,
-            filter,
-            masquerade,
-            services,
-            nodeports,
-            chains,
-        });
+        self.applied = Some(Applied { ctx, filter });
         Ok(report)
     }
 
@@ -324,16 +335,12 @@ impl<I: Iptables> Proxier<I> {
 }
 
 /// A full sync by whole-table replacement (see [`REPLACE_TABLES_ABOVE_CHAINS`]).
-#[allow(clippy::too_many_arguments)]
 fn replace_tables<I: Iptables>(
     ipt: &mut I,
     ctx: &RenderContext,
     filter: &str,
     masquerade: &str,
     fragments: &[(&ServiceFragment, bool)],
-    chains: HashSet<String>,
-    services: String,
-    nodeports: String,
     gained_endpoints: bool,
     mut report: SyncReport,
 ) -> Result<(SyncReport, Applied), SyncError> {
@@ -369,15 +376,13 @@ fn replace_tables<I: Iptables>(
     ipt.ensure_chain("mangle", KUBE_PROXY_CANARY)
         .map_err(SyncError::Setup)?;
     report.restore_bytes = input.len();
-    let applied = Applied {
-        ctx: ctx.clone(),
-        filter: filter.to_string(),
-        masquerade: masquerade.to_string(),
-        services,
-        nodeports,
-        chains,
-    };
-    Ok((report, applied))
+    Ok((
+        report,
+        Applied {
+            ctx: ctx.clone(),
+            filter: filter.to_string(),
+        },
+    ))
 }
 
 /// A UDP service port whose serving endpoints shrank: conntrack may hold flows to the old ones.

@@ -34,7 +34,10 @@ pub fn main(binary: PathBuf, mode: ProxyMode, connections: u32) -> Result<()> {
         let result = run(&binary, &worker_dir, connections, &mut std::io::stdout());
         let _ = done_tx.send(result);
     });
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().context("starting signal handling")?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting signal handling")?;
     let outcome = runtime.block_on(async {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
         tokio::select! {
@@ -61,20 +64,34 @@ pub fn main(binary: PathBuf, mode: ProxyMode, connections: u32) -> Result<()> {
 /// Everything the lab needs, with a message that says how to get it.
 fn preflight(mode: ProxyMode) -> Result<()> {
     if mode != ProxyMode::Iptables {
-        bail!("the lab supports --proxy-mode=iptables in this build; {} is not available yet", mode.as_str());
+        bail!(
+            "the lab supports --proxy-mode=iptables in this build; {} is not available yet",
+            mode.as_str()
+        );
     }
     if !nix::unistd::geteuid().is_root() {
         bail!("the lab creates network namespaces and must run as root (e.g. sudo kube-proxy lab)");
     }
     let mut missing = Vec::new();
-    for (tool, package) in [("ip", "iproute2"), ("iptables", "iptables"), ("iptables-save", "iptables"), ("iptables-restore", "iptables")] {
-        let found = Command::new(tool).arg(if tool == "ip" { "-V" } else { "--version" }).output().is_ok_and(|o| o.status.success());
+    for (tool, package) in [
+        ("ip", "iproute2"),
+        ("iptables", "iptables"),
+        ("iptables-save", "iptables"),
+        ("iptables-restore", "iptables"),
+    ] {
+        let found = Command::new(tool)
+            .arg(if tool == "ip" { "-V" } else { "--version" })
+            .output()
+            .is_ok_and(|o| o.status.success());
         if !found {
             missing.push(format!("{tool} (package {package})"));
         }
     }
     if !missing.is_empty() {
-        bail!("missing tools: {}; on Debian/Ubuntu: apt-get install -y iproute2 iptables conntrack", missing.join(", "));
+        bail!(
+            "missing tools: {}; on Debian/Ubuntu: apt-get install -y iproute2 iptables conntrack",
+            missing.join(", ")
+        );
     }
     Ok(())
 }
@@ -131,7 +148,11 @@ fn ms(d: Duration) -> String {
 
 fn run(binary: &Path, dir: &Path, connections: u32, out: &mut impl Write) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    writeln!(out, "kube-proxy lab: iptables mode, everything in network namespaces named {PREFIX}-{}-*\n", std::process::id())?;
+    writeln!(
+        out,
+        "kube-proxy lab: iptables mode, everything in network namespaces named {PREFIX}-{}-*\n",
+        std::process::id()
+    )?;
 
     let t = Instant::now();
     let mut spec = TestbedSpec::new(PREFIX, binary);
@@ -144,7 +165,11 @@ fn run(binary: &Path, dir: &Path, connections: u32, out: &mut impl Write) -> Res
         bed.node_ip(),
         bed.client_ip(),
         bed.outside_ips()[0],
-        bed.endpoints().iter().map(|e| format!("{} {}", e.name, e.ip)).collect::<Vec<_>>().join(", ")
+        bed.endpoints()
+            .iter()
+            .map(|e| format!("{} {}", e.name, e.ip))
+            .collect::<Vec<_>>()
+            .join(", ")
     )?;
     let eps = |bed: &Testbed| bed.endpoints().iter().map(|e| Ep::local(e.ip)).collect::<Vec<_>>();
     write_manifests(dir, &web(&eps(&bed)))?;
@@ -162,16 +187,29 @@ fn run(binary: &Path, dir: &Path, connections: u32, out: &mut impl Write) -> Res
     .collect();
     let t = Instant::now();
     let daemon: ChildGuard = bed.spawn_in_node(binary, &args)?;
-    daemon.wait_for_log("Synced iptables rules", Duration::from_secs(30)).context("the daemon's first sync")?;
-    writeln!(out, "kube-proxy started in the node namespace with --manifests {}: first sync after {}\n", dir.display(), ms(t.elapsed()))?;
+    daemon
+        .wait_for_log("Synced iptables rules", Duration::from_secs(30))
+        .context("the daemon's first sync")?;
+    writeln!(
+        out,
+        "kube-proxy started in the node namespace with --manifests {}: first sync after {}\n",
+        dir.display(),
+        ms(t.elapsed())
+    )?;
 
     let cip: SocketAddr = format!("{CLUSTER_IP}:80").parse()?;
     let chains = names::service_port_chains(SERVICE, "tcp");
 
-    writeln!(out, "1. The chains of Service {SERVICE} (ClusterIP {CLUSTER_IP}:80, NodePort {NODE_PORT}), from iptables-save -t nat")?;
+    writeln!(
+        out,
+        "1. The chains of Service {SERVICE} (ClusterIP {CLUSTER_IP}:80, NodePort {NODE_PORT}), from iptables-save -t nat"
+    )?;
     print_chains(out, &bed_nat(&bed)?, &chains.cluster)?;
 
-    writeln!(out, "\n2. {connections} new TCP connections from the client pod to {cip}")?;
+    writeln!(
+        out,
+        "\n2. {connections} new TCP connections from the client pod to {cip}"
+    )?;
     let report = bed.probe(&bed.client, &ProbeArgs::tcp(cip).with_count(connections))?;
     print_distribution(out, &report, connections)?;
 
@@ -181,9 +219,15 @@ fn run(binary: &Path, dir: &Path, connections: u32, out: &mut impl Write) -> Res
     let sep = names::endpoint_chain(SERVICE, "tcp", &new_addr.to_string());
     let changed = Instant::now();
     write_manifests(dir, &web(&eps(&bed)))?;
-    let live = poll(Duration::from_secs(10), || bed_nat(&bed).is_ok_and(|n| n.contains(&format!("-A {sep} "))));
+    let live = poll(Duration::from_secs(10), || {
+        bed_nat(&bed).is_ok_and(|n| n.contains(&format!("-A {sep} ")))
+    });
     match live {
-        Some(_) => writeln!(out, "   manifest changed -> {sep} (DNAT to {new_addr}) live after {}", ms(changed.elapsed()))?,
+        Some(_) => writeln!(
+            out,
+            "   manifest changed -> {sep} (DNAT to {new_addr}) live after {}",
+            ms(changed.elapsed())
+        )?,
         None => writeln!(out, "   the new endpoint's chain did not appear within 10 s")?,
     }
     print_chains(out, &bed_nat(&bed)?, &chains.cluster)?;
@@ -204,14 +248,24 @@ fn run(binary: &Path, dir: &Path, connections: u32, out: &mut impl Write) -> Res
     }
     let report = bed.probe(&bed.client, &ProbeArgs::tcp(cip).with_count(3).with_timeout_ms(2000))?;
     for a in &report.attempts {
-        writeln!(out, "   connect {cip}: {} after {:.1} ms", a.error.as_deref().unwrap_or("answered"), a.elapsed_us as f64 / 1000.0)?;
+        writeln!(
+            out,
+            "   connect {cip}: {} after {:.1} ms",
+            a.error.as_deref().unwrap_or("answered"),
+            a.elapsed_us as f64 / 1000.0
+        )?;
     }
 
     writeln!(out, "\n5. The NodePort from the outside host")?;
     write_manifests(dir, &web(&eps(&bed)))?;
-    poll(Duration::from_secs(10), || bed_nat(&bed).is_ok_and(|n| n.contains(&format!("-A {} ", chains.cluster))));
+    poll(Duration::from_secs(10), || {
+        bed_nat(&bed).is_ok_and(|n| n.contains(&format!("-A {} ", chains.cluster)))
+    });
     let n = bed_nat(&bed)?;
-    for l in n.lines().filter(|l| l.starts_with("-A KUBE-NODEPORTS") || l.starts_with(&format!("-A {} ", chains.external))) {
+    for l in n
+        .lines()
+        .filter(|l| l.starts_with("-A KUBE-NODEPORTS") || l.starts_with(&format!("-A {} ", chains.external)))
+    {
         writeln!(out, "   {l}")?;
     }
     let outside = bed.outside_ips()[0];
@@ -219,10 +273,20 @@ fn run(binary: &Path, dir: &Path, connections: u32, out: &mut impl Write) -> Res
     let report = bed.probe(&bed.outside, &ProbeArgs::tcp(np).with_bind(outside).with_count(10))?;
     let seen: Vec<String> = report.seen_sources().iter().map(ToString::to_string).collect();
     writeln!(out, "   10 connections from {outside} to {np}: {}", summary(&report))?;
-    writeln!(out, "   the endpoints saw the client as {} (the node's address: masqueraded, externalTrafficPolicy Cluster)", seen.join(", "))?;
+    writeln!(
+        out,
+        "   the endpoints saw the client as {} (the node's address: masqueraded, externalTrafficPolicy Cluster)",
+        seen.join(", ")
+    )?;
 
-    writeln!(out, "\n6. A few conntrack entries in the node namespace (the DNAT mapping)")?;
-    match bed.node.exec("conntrack", ["-L", "-p", "tcp", "--orig-dst", CLUSTER_IP]) {
+    writeln!(
+        out,
+        "\n6. A few conntrack entries in the node namespace (the DNAT mapping)"
+    )?;
+    match bed
+        .node
+        .exec("conntrack", ["-L", "-p", "tcp", "--orig-dst", CLUSTER_IP])
+    {
         Ok(o) if o.status.success() => {
             for l in String::from_utf8_lossy(&o.stdout).lines().take(4) {
                 writeln!(out, "   {l}")?;
@@ -244,16 +308,27 @@ fn bed_nat(bed: &Testbed) -> Result<String> {
 /// The entry rule in KUBE-SERVICES, the service chain and the endpoint chains it jumps to.
 fn print_chains(out: &mut impl Write, nat: &str, svc_chain: &str) -> Result<()> {
     let lines: Vec<&str> = nat.lines().collect();
-    for l in lines.iter().filter(|l| l.starts_with("-A KUBE-SERVICES") && l.ends_with(svc_chain)) {
+    for l in lines
+        .iter()
+        .filter(|l| l.starts_with("-A KUBE-SERVICES") && l.ends_with(svc_chain))
+    {
         writeln!(out, "   entry: {l}")?;
     }
-    let svc_rules: Vec<&&str> = lines.iter().filter(|l| l.starts_with(&format!("-A {svc_chain} "))).collect();
+    let svc_rules: Vec<&&str> = lines
+        .iter()
+        .filter(|l| l.starts_with(&format!("-A {svc_chain} ")))
+        .collect();
     for l in &svc_rules {
         writeln!(out, "   svc:   {l}")?;
     }
     for l in &svc_rules {
-        let Some(sep) = l.rsplit(" -j ").next().filter(|t| t.starts_with("KUBE-SEP-")) else { continue };
-        for r in lines.iter().filter(|r| r.starts_with(&format!("-A {sep} ")) && r.contains("DNAT")) {
+        let Some(sep) = l.rsplit(" -j ").next().filter(|t| t.starts_with("KUBE-SEP-")) else {
+            continue;
+        };
+        for r in lines
+            .iter()
+            .filter(|r| r.starts_with(&format!("-A {sep} ")) && r.contains("DNAT"))
+        {
             writeln!(out, "   sep:   {r}")?;
         }
     }
@@ -274,14 +349,21 @@ fn print_distribution(out: &mut impl Write, report: &ProbeReport, total: u32) ->
     let k = names.len().max(1);
     let expected = f64::from(total) / k as f64;
     for (name, count) in &names {
-        writeln!(out, "   {name}: {count:>4} {}", "#".repeat((*count as f64 / expected * 20.0) as usize))?;
+        writeln!(
+            out,
+            "   {name}: {count:>4} {}",
+            "#".repeat((*count as f64 / expected * 20.0) as usize)
+        )?;
     }
     if !report.errors().is_empty() {
         writeln!(out, "   errors: {:?}", report.errors())?;
     }
     let chi2: f64 = names.values().map(|&n| (n as f64 - expected).powi(2) / expected).sum();
     // Critical values of chi-square at p = 0.001 for 1..=5 degrees of freedom.
-    let critical = [10.828, 13.816, 16.266, 18.467, 20.515].get(k.saturating_sub(2)).copied().unwrap_or(20.515);
+    let critical = [10.828, 13.816, 16.266, 18.467, 20.515]
+        .get(k.saturating_sub(2))
+        .copied()
+        .unwrap_or(20.515);
     writeln!(
         out,
         "   chi-square = {chi2:.2} with {} degrees of freedom; a uniform split stays below {critical} at p = 0.001: {}",

@@ -7,6 +7,7 @@
 
 mod endpoints;
 mod services;
+pub mod synthetic;
 mod topology;
 mod types;
 

@@ -1,0 +1,174 @@
+//! Benchmark: programming a node. Needs root: it enters a new network namespace of its own
+//! (`unshare(CLONE_NEWNET)`), so nothing touches the machine's rules. For 10,000 Services × 10
+//! endpoints (or `SERVICES`/`ENDPOINTS` from the environment) it reports:
+//! - full render (model → restore input);
+//! - `iptables-restore` alone on the same input in a fresh namespace (the kernel's floor);
+//! - a cold full sync by the proxier (empty namespace → every rule live);
+//! - a periodic full re-sync on the loaded table;
+//! - one endpoint change made live by a partial sync, p50/p99 over `CHANGES` (default 100).
+//!
+//! Run with `cargo bench --bench sync` (as root); `REPS` (default 3) sets the repetitions of
+//! the floor and the cold sync.
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kube_proxy::config::LocalDetector;
+use kube_proxy::iptables::exec::{Exec, Fake};
+use kube_proxy::iptables::proxier::Proxier;
+use kube_proxy::iptables::{RenderOptions, render};
+use kube_proxy::model::{IpFamily, synthetic};
+use nix::sched::{CloneFlags, unshare};
+
+fn env(name: &str, default: usize) -> usize {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+fn fresh_namespace() {
+    unshare(CloneFlags::CLONE_NEWNET).expect("unshare(CLONE_NEWNET) needs root");
+}
+
+fn opts() -> RenderOptions {
+    RenderOptions {
+        masquerade_all: false,
+        masquerade_bit: 14,
+        localhost_node_ports: true,
+        local_detector: LocalDetector::Cidr("10.244.0.0/16".into()),
+        node_port_addresses: vec![],
+        prefer_same_node: true,
+        nfacct: false,
+        tcp_be_liberal: false,
+        random_fully: true,
+    }
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.1} ms", d.as_secs_f64() * 1000.0)
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    let idx = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[idx.min(sorted.len() - 1)]
+}
+
+fn main() {
+    let services = env("SERVICES", 10_000);
+    let endpoints = env("ENDPOINTS", 10);
+    let changes = env("CHANGES", 100);
+    println!("{services} Services x {endpoints} endpoints, iptables {}", version());
+    let state = synthetic::state(services, endpoints);
+
+    let t = Instant::now();
+    let full = render(&state, &opts());
+    println!(
+        "{:<48} {:>12}   ({} lines)",
+        "full render",
+        ms(t.elapsed()),
+        full.restore.lines().count()
+    );
+
+    // The exact input a cold full sync sends (captured with the recording fake).
+    let mut fake = Proxier::new(Fake::default(), opts());
+    fake.sync(&state).expect("fake sync");
+    let input = fake.iptables().replaces.first().cloned().unwrap_or_default();
+
+    // Floor and cold sync alternate, each in a fresh namespace; medians of `REPS` runs.
+    let reps = env("REPS", 3).max(1);
+    let (mut floors, mut colds) = (Vec::new(), Vec::new());
+    let mut proxier = Proxier::new(Exec::new(IpFamily::V4), opts());
+    for _ in 0..reps {
+        fresh_namespace();
+        let t = Instant::now();
+        restore_flush(&input);
+        floors.push(t.elapsed());
+
+        fresh_namespace();
+        proxier = Proxier::new(Exec::new(IpFamily::V4), opts());
+        let t = Instant::now();
+        let report = proxier.sync(&state).expect("cold full sync");
+        colds.push(t.elapsed());
+        assert!(report.full);
+    }
+    floors.sort();
+    colds.sort();
+    let (floor, cold) = (percentile(&floors, 0.5), percentile(&colds, 0.5));
+    println!(
+        "{:<48} {:>12}   (median of {reps})",
+        "iptables-restore alone, same input (floor)",
+        ms(floor)
+    );
+    println!(
+        "{:<48} {:>12}   (median of {reps}; {:.2}x the floor)",
+        "cold full sync (render + apply)",
+        ms(cold),
+        cold.as_secs_f64() / floor.as_secs_f64()
+    );
+
+    // A periodic full sync on the loaded table (forced).
+    proxier.force_full_sync();
+    let t = Instant::now();
+    proxier.sync(&state).expect("full re-sync");
+    println!("{:<48} {:>12}", "full re-sync on the loaded table", ms(t.elapsed()));
+
+    // One endpoint change at a time: Service k gets a new set of endpoint addresses.
+    let mut current = state.clone();
+    let mut times = Vec::with_capacity(changes);
+    for round in 0..changes {
+        let idx = (round * 7919) % services;
+        let generation = 1 + round as u32;
+        let name = current.service_ports[idx].port.name.name.clone();
+        let i: usize = name.trim_start_matches("svc").parse().expect("synthetic name");
+        let mut changed = synthetic::service(i, endpoints, generation);
+        // Keep all but one endpoint and replace that one, as a rolling update does.
+        changed.endpoints.truncate(1);
+        let mut eps = current.service_ports[idx].endpoints.clone();
+        eps.pop();
+        eps.extend(changed.endpoints);
+        eps.sort_by_key(|e| e.to_string());
+        current.service_ports[idx].endpoints = eps;
+        let t = Instant::now();
+        let r = proxier.sync(&current).expect("partial sync");
+        times.push(t.elapsed());
+        assert!(!r.full && r.rewritten_services == 1, "{r:?}");
+    }
+    times.sort();
+    println!(
+        "{:<48} {:>12}   p99 {}  (n = {changes})",
+        "one endpoint change, partial sync p50",
+        ms(percentile(&times, 0.5)),
+        ms(percentile(&times, 0.99))
+    );
+    let nat = Command::new("iptables-save")
+        .args(["-t", "nat"])
+        .output()
+        .expect("iptables-save");
+    let chains = String::from_utf8_lossy(&nat.stdout)
+        .lines()
+        .filter(|l| l.starts_with(":KUBE-SEP-"))
+        .count();
+    assert_eq!(chains, services * endpoints, "every endpoint chain is in the kernel");
+}
+
+fn version() -> String {
+    Command::new("iptables")
+        .arg("--version")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default()
+}
+
+fn restore_flush(input: &str) {
+    let mut child = Command::new("iptables-restore")
+        .arg("--counters")
+        .stdin(Stdio::piped())
+        .spawn()
+        .expect("iptables-restore runs");
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(input.as_bytes())
+        .expect("write");
+    assert!(child.wait().expect("wait").success(), "iptables-restore failed");
+}
