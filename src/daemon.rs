@@ -21,12 +21,30 @@ use crate::manifest::Objects;
 use crate::model::{IpFamily, NodeInfo, build_state};
 use crate::source::{self, ManifestSource};
 
+/// Where Services, EndpointSlices and the Node come from.
+#[derive(Clone, Debug)]
+pub enum SourceConfig {
+    /// `--manifests DIR`: a directory of manifests, re-read on change.
+    Manifests(PathBuf),
+    /// The Kubernetes API (`--kubeconfig`, `--master`, in-cluster config otherwise).
+    Api(ApiConfig),
+}
+
+/// How to reach the API server (upstream's `clientConnection` plus `--master`).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ApiConfig {
+    pub kubeconfig: Option<PathBuf>,
+    pub master: Option<String>,
+    pub qps: f32,
+    pub burst: i32,
+    pub content_type: String,
+}
+
 /// What the daemon runs on.
 #[derive(Clone, Debug)]
 pub struct DaemonOptions {
     pub config: ProxyConfig,
-    /// `--manifests DIR`.
-    pub manifests: PathBuf,
+    pub source: SourceConfig,
 }
 
 /// The families this node programs: IPv4, plus IPv6 when its tools exist (upstream runs both).
@@ -38,6 +56,11 @@ pub fn families() -> Vec<IpFamily> {
     v
 }
 
+struct ManifestOptions {
+    config: ProxyConfig,
+    manifests: PathBuf,
+}
+
 struct FamilyProxier {
     family: IpFamily,
     proxier: Proxier<Exec>,
@@ -47,6 +70,11 @@ struct FamilyProxier {
 
 /// Runs until the source's watcher fails; never returns on success.
 pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
+    let manifests = match &opts.source {
+        SourceConfig::Manifests(dir) => dir.clone(),
+        SourceConfig::Api(_) => anyhow::bail!("the Kubernetes API source is not available in this build yet; use --manifests DIR"),
+    };
+    let opts = ManifestOptions { config: opts.config, manifests };
     let cfg = &opts.config;
     let node_name = cfg.node_name();
     info!(mode = cfg.mode.as_str(), node = %node_name, manifests = %opts.manifests.display(), "Starting kube-proxy");

@@ -306,7 +306,10 @@ fn daemon(cfg: ProxyConfig, flags: DaemonFlags) -> anyhow::Result<ExitCode> {
             manifests.display().to_string()
         );
     }
-    kube_proxy::daemon::run(kube_proxy::daemon::DaemonOptions { config: cfg, manifests })?;
+    kube_proxy::daemon::run(kube_proxy::daemon::DaemonOptions {
+        config: cfg,
+        source: kube_proxy::daemon::SourceConfig::Manifests(manifests),
+    })?;
     Ok(ExitCode::SUCCESS)
 }
 
