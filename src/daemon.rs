@@ -19,6 +19,7 @@ use crate::iptables::proxier::{Proxier, cleanup};
 use crate::iptables::render::{NodePortAddresses, RenderOptions};
 use crate::manifest::Objects;
 use crate::model::{IpFamily, NodeInfo, build_state};
+use crate::kube_source::ApiSource;
 use crate::source::{self, ManifestSource};
 
 /// Where Services, EndpointSlices and the Node come from.
@@ -56,11 +57,6 @@ pub fn families() -> Vec<IpFamily> {
     v
 }
 
-struct ManifestOptions {
-    config: ProxyConfig,
-    manifests: PathBuf,
-}
-
 struct FamilyProxier {
     family: IpFamily,
     proxier: Proxier<Exec>,
@@ -68,19 +64,31 @@ struct FamilyProxier {
     pending: bool,
 }
 
-/// Runs until the source's watcher fails; never returns on success.
+/// A running source of objects.
+enum Source {
+    Manifests { src: ManifestSource, _watcher: notify::RecommendedWatcher },
+    Api(ApiSource),
+}
+
+impl Source {
+    /// The current objects; `None` until the first complete view.
+    fn snapshot(&mut self) -> Option<Objects> {
+        match self {
+            Source::Manifests { src, .. } => Some(reload(src)),
+            Source::Api(api) => api.snapshot(),
+        }
+    }
+}
+
+/// Runs until the source fails; never returns on success.
 pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
-    let manifests = match &opts.source {
-        SourceConfig::Manifests(dir) => dir.clone(),
-        SourceConfig::Api(_) => anyhow::bail!("the Kubernetes API source is not available in this build yet; use --manifests DIR"),
-    };
-    let opts = ManifestOptions { config: opts.config, manifests };
     let cfg = &opts.config;
     let node_name = cfg.node_name();
-    info!(mode = cfg.mode.as_str(), node = %node_name, manifests = %opts.manifests.display(), "Starting kube-proxy");
-    let warnings = conntrack::apply_sysctls(
+    info!(mode = cfg.mode.as_str(), node = %node_name, "Starting kube-proxy");
+    let warnings = conntrack::apply_sysctls_and_hashsize(
         &cfg.conntrack,
         std::path::Path::new("/proc/sys"),
+        Some(std::path::Path::new(conntrack::HASHSIZE_PATH)),
         conntrack::detect_num_cpus(),
     );
     for w in warnings {
@@ -88,48 +96,53 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
     }
 
     let (tx, rx) = mpsc::channel();
-    let _watcher =
-        source::watch(&opts.manifests, tx).with_context(|| format!("watching {}", opts.manifests.display()))?;
-    let mut src = ManifestSource::new(&opts.manifests);
-    let mut objects = reload(&mut src);
-
-    let mut proxiers: Vec<FamilyProxier> = Vec::new();
-    for family in families() {
-        proxiers.push(FamilyProxier {
-            family,
-            proxier: Proxier::new(Exec::new(family), options(cfg, family, &objects)),
-            pending: true,
-        });
+    let mut source = match &opts.source {
+        SourceConfig::Manifests(dir) => {
+            info!(manifests = %dir.display(), "Reading Services and EndpointSlices from manifests");
+            let watcher = source::watch(dir, tx).with_context(|| format!("watching {}", dir.display()))?;
+            Source::Manifests { src: ManifestSource::new(dir), _watcher: watcher }
+        }
+        SourceConfig::Api(api) => Source::Api(ApiSource::start(api, &node_name, tx)?),
+    };
+    let mut objects = source.snapshot();
+    if objects.is_none() {
+        info!("Not syncing iptables until Services and Endpoints have been received from master");
     }
-    ensure_route_localnet(cfg, &objects);
+
+    let mut proxiers: Vec<FamilyProxier> = families()
+        .into_iter()
+        .map(|family| FamilyProxier {
+            family,
+            proxier: Proxier::new(Exec::new(family), options(cfg, family, &Objects::default())),
+            pending: true,
+        })
+        .collect();
 
     let mut last_sync: Option<Instant> = None;
     let mut retry_at: Option<Instant> = None;
     let mut next_check = Instant::now() + cfg.sync_period;
     loop {
         let now = Instant::now();
-        let pending = proxiers.iter().any(|p| p.pending);
+        let pending = objects.is_some() && proxiers.iter().any(|p| p.pending);
         let earliest = last_sync.map_or(now, |t| t + cfg.min_sync_period);
-        let wake = if pending {
-            retry_at.unwrap_or(earliest).max(earliest)
-        } else {
-            next_check
-        };
+        let wake = if pending { retry_at.unwrap_or(earliest).max(earliest) } else { next_check };
         match rx.recv_timeout(wake.saturating_duration_since(now)) {
             Ok(()) => {
-                // Coalesce a burst of file events into one reload.
+                // Coalesce a burst of changes into one snapshot.
                 while rx.try_recv().is_ok() {}
-                let next = reload(&mut src);
-                if next_differs(&objects, &next) {
-                    objects = next;
+                if let Some(next) = source.snapshot()
+                    && objects.as_ref().is_none_or(|o| next_differs(o, &next))
+                {
+                    objects = Some(next);
                     for p in &mut proxiers {
                         p.pending = true;
                     }
                 }
             }
             Err(mpsc::RecvTimeoutError::Timeout) => {}
-            Err(mpsc::RecvTimeoutError::Disconnected) => anyhow::bail!("the manifest watcher stopped"),
+            Err(mpsc::RecvTimeoutError::Disconnected) => anyhow::bail!("the source of Services stopped"),
         }
+        let Some(current) = objects.as_ref() else { continue };
         let now = Instant::now();
         if now >= next_check {
             next_check = now + cfg.sync_period;
@@ -146,9 +159,10 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
         }
         last_sync = Some(now);
         retry_at = None;
-        ensure_route_localnet(cfg, &objects);
+        ensure_route_localnet(cfg, current);
         for p in proxiers.iter_mut().filter(|p| p.pending) {
-            if sync_family(cfg, p, &objects) {
+            p.proxier.set_options(options(cfg, p.family, current));
+            if sync_family(cfg, p, current) {
                 p.pending = false;
             } else {
                 retry_at = Some(Instant::now() + cfg.sync_period);

@@ -13,6 +13,7 @@ pub mod config;
 pub mod conntrack;
 pub mod daemon;
 pub mod iptables;
+pub mod kube_source;
 pub mod lab;
 pub mod manifest;
 pub mod model;

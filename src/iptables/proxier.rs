@@ -95,6 +95,15 @@ impl<I: Iptables> Proxier<I> {
         &mut self.ipt
     }
 
+    /// Replaces the rendering options (they depend on the Node, which may arrive or change
+    /// after start); a change makes the next sync a full one.
+    pub fn set_options(&mut self, opts: RenderOptions) {
+        if opts != self.opts {
+            self.opts = opts;
+            self.applied = None;
+        }
+    }
+
     /// Makes the next sync a full one (after a failure, a flush by someone else, ...).
     pub fn force_full_sync(&mut self) {
         self.applied = None;

@@ -1,0 +1,243 @@
+//! The Kubernetes API source: watches Services and EndpointSlices with upstream's label
+//! selector (both `service.kubernetes.io/headless` and `service.kubernetes.io/service-proxy-name`
+//! absent) and this node's Node by field selector, using kube-runtime's watcher with backoff.
+//!
+//! A relist (after a 410 Gone or a reconnect) is framed by `Init … InitDone`; objects that
+//! vanished meanwhile get no `Delete` event, so each kind's store is swapped whole at
+//! `InitDone`, which turns them into deletions. Nothing is handed to the proxy before both
+//! Services and EndpointSlices have been listed once (upstream's `isInitialized`). While the
+//! API server is unreachable the store, and so the rules, stay as they are.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex};
+
+use anyhow::Context;
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Node, ObjectReference, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::api::Api;
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, Resource};
+use serde::de::DeserializeOwned;
+use tracing::{info, warn};
+
+use crate::daemon::ApiConfig;
+use crate::manifest::Objects;
+use crate::model::{LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME};
+
+/// Upstream's informer label selector for Services and EndpointSlices.
+pub fn label_selector() -> String {
+    // Requirements sorted by key, as upstream serialises them.
+    format!("!{LABEL_HEADLESS},!{LABEL_SERVICE_PROXY_NAME}")
+}
+
+/// One kind's objects by `namespace/name`, plus the relist buffer.
+struct KindStore<K> {
+    objects: BTreeMap<String, K>,
+    relist: Option<BTreeMap<String, K>>,
+    synced: bool,
+}
+
+impl<K> Default for KindStore<K> {
+    fn default() -> Self {
+        KindStore { objects: BTreeMap::new(), relist: None, synced: false }
+    }
+}
+
+impl<K: Resource + Clone> KindStore<K> {
+    /// Applies one watcher event; true if what the proxy sees changed.
+    fn apply(&mut self, event: watcher::Event<K>) -> bool {
+        let key = |o: &K| format!("{}/{}", o.meta().namespace.as_deref().unwrap_or(""), o.meta().name.as_deref().unwrap_or(""));
+        match event {
+            watcher::Event::Init => {
+                self.relist = Some(BTreeMap::new());
+                false
+            }
+            watcher::Event::InitApply(o) => {
+                if let Some(buf) = self.relist.as_mut() {
+                    buf.insert(key(&o), o);
+                }
+                false
+            }
+            watcher::Event::InitDone => {
+                // Objects missing from the new list were deleted while we were not watching.
+                self.objects = self.relist.take().unwrap_or_default();
+                self.synced = true;
+                true
+            }
+            watcher::Event::Apply(o) => {
+                self.objects.insert(key(&o), o);
+                true
+            }
+            watcher::Event::Delete(o) => self.objects.remove(&key(&o)).is_some(),
+        }
+    }
+}
+
+#[derive(Default)]
+struct Store {
+    services: KindStore<Service>,
+    slices: KindStore<EndpointSlice>,
+    nodes: KindStore<Node>,
+}
+
+/// A running API source; the watchers stop when it is dropped.
+pub struct ApiSource {
+    store: Arc<Mutex<Store>>,
+    _runtime: tokio::runtime::Runtime,
+}
+
+impl ApiSource {
+    /// Connects and starts the watchers; `changed` gets `()` after every change.
+    pub fn start(cfg: &ApiConfig, node_name: &str, changed: Sender<()>) -> anyhow::Result<ApiSource> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("kube-source")
+            .enable_all()
+            .build()
+            .context("starting the API source's runtime")?;
+        let client = runtime.block_on(client(cfg))?;
+        let store = Arc::new(Mutex::new(Store::default()));
+        let selector = label_selector();
+        let svc_cfg = watcher::Config::default().labels(&selector);
+        let node_cfg = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
+        runtime.spawn(watch(Api::<Service>::all(client.clone()), svc_cfg.clone(), store.clone(), changed.clone(), |s| &mut s.services));
+        runtime.spawn(watch(Api::<EndpointSlice>::all(client.clone()), svc_cfg, store.clone(), changed.clone(), |s| &mut s.slices));
+        runtime.spawn(watch(Api::<Node>::all(client.clone()), node_cfg, store.clone(), changed, |s| &mut s.nodes));
+        runtime.spawn(birth_cry(client, node_name.to_string()));
+        Ok(ApiSource { store, _runtime: runtime })
+    }
+
+    /// The objects seen so far; `None` until Services and EndpointSlices are both listed.
+    pub fn snapshot(&self) -> Option<Objects> {
+        let store = self.store.lock().ok()?;
+        if !(store.services.synced && store.slices.synced) {
+            return None;
+        }
+        Some(Objects {
+            services: store.services.objects.values().cloned().collect(),
+            endpoint_slices: store.slices.objects.values().cloned().collect(),
+            nodes: store.nodes.objects.values().cloned().collect(),
+            ..Objects::default()
+        })
+    }
+}
+
+async fn client(cfg: &ApiConfig) -> anyhow::Result<Client> {
+    let mut config = match &cfg.kubeconfig {
+        Some(path) => {
+            let kubeconfig = Kubeconfig::read_from(path).with_context(|| format!("reading kubeconfig {}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+                .await
+                .with_context(|| format!("loading kubeconfig {}", path.display()))?
+        }
+        None => match &cfg.master {
+            Some(master) => kube::Config::new(master.parse().with_context(|| format!("invalid value {master:?} for --master"))?),
+            None => kube::Config::infer().await.context("no --kubeconfig or --master, and no in-cluster configuration")?,
+        },
+    };
+    if let (Some(master), Some(_)) = (&cfg.master, &cfg.kubeconfig) {
+        // Upstream: --master overrides the kubeconfig's server.
+        config.cluster_url = master.parse().with_context(|| format!("invalid value {master:?} for --master"))?;
+    }
+    Client::try_from(config).context("building the API client")
+}
+
+async fn watch<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    store: Arc<Mutex<Store>>,
+    changed: Sender<()>,
+    kind: fn(&mut Store) -> &mut KindStore<K>,
+) where
+    K: Resource + Clone + DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
+    K::DynamicType: Default,
+{
+    let name = K::kind(&K::DynamicType::default()).to_string();
+    let mut stream = watcher(api, config).default_backoff().boxed();
+    while let Some(event) = stream.next().await {
+        match event {
+            Ok(event) => {
+                let changed_view = match store.lock() {
+                    Ok(mut s) => kind(&mut s).apply(event),
+                    Err(_) => return,
+                };
+                if changed_view && changed.send(()).is_err() {
+                    return;
+                }
+            }
+            // The backoff spaces retries; the store (and so the rules) stay as they are.
+            Err(e) => warn!(kind = %name, error = %e, "Watch failed; retrying"),
+        }
+    }
+}
+
+/// Upstream's "Starting" event on the Node (its `birthCry`).
+async fn birth_cry(client: Client, node_name: String) {
+    let reporter = Reporter { controller: "kube-proxy".into(), instance: Some(node_name.clone()) };
+    let recorder = Recorder::new(client, reporter);
+    let node = ObjectReference {
+        kind: Some("Node".into()),
+        name: Some(node_name.clone()),
+        uid: Some(node_name.clone()),
+        api_version: Some("v1".into()),
+        ..ObjectReference::default()
+    };
+    let event = KubeEvent {
+        type_: EventType::Normal,
+        reason: "Starting".into(),
+        note: None,
+        action: "StartKubeProxy".into(),
+        secondary: None,
+    };
+    match recorder.publish(&event, &node).await {
+        Ok(()) => info!(node = %node_name, "Emitted the Starting event"),
+        Err(e) => warn!(error = %e, "Could not emit the Starting event"),
+    }
+}
+
+/// The kubeconfig path kube-proxy would use without `--kubeconfig` (for messages).
+pub fn default_kubeconfig() -> Option<PathBuf> {
+    std::env::var_os("KUBECONFIG").map(PathBuf::from)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn svc(name: &str) -> Service {
+        let mut s = Service::default();
+        s.metadata.name = Some(name.into());
+        s.metadata.namespace = Some("d".into());
+        s
+    }
+
+    #[test]
+    fn relist_turns_missing_objects_into_deletions() {
+        let mut k = KindStore::<Service>::default();
+        for e in [watcher::Event::Init, watcher::Event::InitApply(svc("a")), watcher::Event::InitApply(svc("b"))] {
+            assert!(!k.apply(e));
+        }
+        assert!(!k.synced);
+        assert!(k.apply(watcher::Event::InitDone));
+        assert_eq!(k.objects.len(), 2);
+        // Reconnect: only "a" is listed again; "b" vanished while we were away.
+        k.apply(watcher::Event::Init);
+        assert_eq!(k.objects.len(), 2, "the old view stays until the relist is complete");
+        k.apply(watcher::Event::InitApply(svc("a")));
+        assert!(k.apply(watcher::Event::InitDone));
+        assert_eq!(k.objects.keys().collect::<Vec<_>>(), vec!["d/a"]);
+        assert!(k.apply(watcher::Event::Apply(svc("c"))));
+        assert!(k.apply(watcher::Event::Delete(svc("c"))));
+        assert!(!k.apply(watcher::Event::Delete(svc("zzz"))));
+    }
+
+    #[test]
+    fn selector_is_upstreams() {
+        assert_eq!(label_selector(), "!service.kubernetes.io/headless,!service.kubernetes.io/service-proxy-name");
+    }
+}
