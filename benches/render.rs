@@ -9,15 +9,8 @@ use kube_proxy::model::synthetic;
 
 fn main() {
     let opts = RenderOptions {
-        masquerade_all: false,
-        masquerade_bit: 14,
-        localhost_node_ports: true,
         local_detector: LocalDetector::Cidr("10.244.0.0/16".into()),
-        node_port_addresses: vec![],
-        prefer_same_node: true,
-        nfacct: false,
-        tcp_be_liberal: false,
-        random_fully: true,
+        ..RenderOptions::default()
     };
     println!(
         "{:<22} {:>12} {:>12} {:>12}",

@@ -31,15 +31,8 @@ fn fresh_namespace() {
 
 fn opts() -> RenderOptions {
     RenderOptions {
-        masquerade_all: false,
-        masquerade_bit: 14,
-        localhost_node_ports: true,
         local_detector: LocalDetector::Cidr("10.244.0.0/16".into()),
-        node_port_addresses: vec![],
-        prefer_same_node: true,
-        nfacct: false,
-        tcp_be_liberal: false,
-        random_fully: true,
+        ..RenderOptions::default()
     }
 }
 

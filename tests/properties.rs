@@ -197,11 +197,7 @@ proptest! {
             }],
             service_cidrs: vec![], warnings: vec![],
         };
-        let opts = RenderOptions {
-            masquerade_all: false, masquerade_bit: 14, localhost_node_ports: true,
-            local_detector: LocalDetector::None, node_port_addresses: vec![], prefer_same_node: true,
-            nfacct: false, tcp_be_liberal: false, random_fully: true,
-        };
+        let opts = RenderOptions { local_detector: LocalDetector::None, ..RenderOptions::default() };
         let rs = render(&state, &opts);
         let chain = kube_proxy::iptables::names::service_port_chains("ns/svc:p", "tcp").cluster;
         let split = split_of(&rs.restore, &chain);

@@ -45,6 +45,24 @@ pub struct RenderOptions {
     pub random_fully: bool,
 }
 
+impl Default for RenderOptions {
+    /// Upstream's defaults on a stock node (mark bit 14, localhost NodePorts on, no
+    /// local-traffic detector, `--random-fully` supported, no nfacct counters).
+    fn default() -> Self {
+        RenderOptions {
+            masquerade_all: false,
+            masquerade_bit: 14,
+            localhost_node_ports: true,
+            local_detector: LocalDetector::None,
+            node_port_addresses: Vec::new(),
+            prefer_same_node: true,
+            nfacct: false,
+            tcp_be_liberal: false,
+            random_fully: true,
+        }
+    }
+}
+
 impl RenderOptions {
     /// The options of one family's proxier for a configuration, as the daemon would run it on
     /// a stock node (nfacct counters absent, `tcp_be_liberal` unset, `--random-fully` supported).
@@ -815,15 +833,8 @@ mod tests {
 
     fn opts() -> RenderOptions {
         RenderOptions {
-            masquerade_all: false,
-            masquerade_bit: 14,
-            localhost_node_ports: true,
             local_detector: LocalDetector::None,
-            node_port_addresses: vec![],
-            prefer_same_node: true,
-            nfacct: false,
-            tcp_be_liberal: false,
-            random_fully: true,
+            ..RenderOptions::default()
         }
     }
 
