@@ -17,9 +17,9 @@ use crate::conntrack::{self, UdpServices};
 use crate::iptables::exec::Exec;
 use crate::iptables::proxier::{Proxier, cleanup};
 use crate::iptables::render::{NodePortAddresses, RenderOptions};
+use crate::kube_source::ApiSource;
 use crate::manifest::Objects;
 use crate::model::{IpFamily, NodeInfo, build_state};
-use crate::kube_source::ApiSource;
 use crate::source::{self, ManifestSource};
 
 /// Where Services, EndpointSlices and the Node come from.
@@ -66,7 +66,10 @@ struct FamilyProxier {
 
 /// A running source of objects.
 enum Source {
-    Manifests { src: ManifestSource, _watcher: notify::RecommendedWatcher },
+    Manifests {
+        src: ManifestSource,
+        _watcher: notify::RecommendedWatcher,
+    },
     Api(ApiSource),
 }
 
@@ -100,7 +103,10 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
         SourceConfig::Manifests(dir) => {
             info!(manifests = %dir.display(), "Reading Services and EndpointSlices from manifests");
             let watcher = source::watch(dir, tx).with_context(|| format!("watching {}", dir.display()))?;
-            Source::Manifests { src: ManifestSource::new(dir), _watcher: watcher }
+            Source::Manifests {
+                src: ManifestSource::new(dir),
+                _watcher: watcher,
+            }
         }
         SourceConfig::Api(api) => Source::Api(ApiSource::start(api, &node_name, tx)?),
     };
@@ -125,7 +131,11 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
         let now = Instant::now();
         let pending = objects.is_some() && proxiers.iter().any(|p| p.pending);
         let earliest = last_sync.map_or(now, |t| t + cfg.min_sync_period);
-        let wake = if pending { retry_at.unwrap_or(earliest).max(earliest) } else { next_check };
+        let wake = if pending {
+            retry_at.unwrap_or(earliest).max(earliest)
+        } else {
+            next_check
+        };
         match rx.recv_timeout(wake.saturating_duration_since(now)) {
             Ok(()) => {
                 // Coalesce a burst of changes into one snapshot.

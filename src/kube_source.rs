@@ -44,14 +44,24 @@ struct KindStore<K> {
 
 impl<K> Default for KindStore<K> {
     fn default() -> Self {
-        KindStore { objects: BTreeMap::new(), relist: None, synced: false }
+        KindStore {
+            objects: BTreeMap::new(),
+            relist: None,
+            synced: false,
+        }
     }
 }
 
 impl<K: Resource + Clone> KindStore<K> {
     /// Applies one watcher event; true if what the proxy sees changed.
     fn apply(&mut self, event: watcher::Event<K>) -> bool {
-        let key = |o: &K| format!("{}/{}", o.meta().namespace.as_deref().unwrap_or(""), o.meta().name.as_deref().unwrap_or(""));
+        let key = |o: &K| {
+            format!(
+                "{}/{}",
+                o.meta().namespace.as_deref().unwrap_or(""),
+                o.meta().name.as_deref().unwrap_or("")
+            )
+        };
         match event {
             watcher::Event::Init => {
                 self.relist = Some(BTreeMap::new());
@@ -105,11 +115,32 @@ impl ApiSource {
         let selector = label_selector();
         let svc_cfg = watcher::Config::default().labels(&selector);
         let node_cfg = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
-        runtime.spawn(watch(Api::<Service>::all(client.clone()), svc_cfg.clone(), store.clone(), changed.clone(), |s| &mut s.services));
-        runtime.spawn(watch(Api::<EndpointSlice>::all(client.clone()), svc_cfg, store.clone(), changed.clone(), |s| &mut s.slices));
-        runtime.spawn(watch(Api::<Node>::all(client.clone()), node_cfg, store.clone(), changed, |s| &mut s.nodes));
+        runtime.spawn(watch(
+            Api::<Service>::all(client.clone()),
+            svc_cfg.clone(),
+            store.clone(),
+            changed.clone(),
+            |s| &mut s.services,
+        ));
+        runtime.spawn(watch(
+            Api::<EndpointSlice>::all(client.clone()),
+            svc_cfg,
+            store.clone(),
+            changed.clone(),
+            |s| &mut s.slices,
+        ));
+        runtime.spawn(watch(
+            Api::<Node>::all(client.clone()),
+            node_cfg,
+            store.clone(),
+            changed,
+            |s| &mut s.nodes,
+        ));
         runtime.spawn(birth_cry(client, node_name.to_string()));
-        Ok(ApiSource { store, _runtime: runtime })
+        Ok(ApiSource {
+            store,
+            _runtime: runtime,
+        })
     }
 
     /// The objects seen so far; `None` until Services and EndpointSlices are both listed.
@@ -130,19 +161,28 @@ impl ApiSource {
 async fn client(cfg: &ApiConfig) -> anyhow::Result<Client> {
     let mut config = match &cfg.kubeconfig {
         Some(path) => {
-            let kubeconfig = Kubeconfig::read_from(path).with_context(|| format!("reading kubeconfig {}", path.display()))?;
+            let kubeconfig =
+                Kubeconfig::read_from(path).with_context(|| format!("reading kubeconfig {}", path.display()))?;
             kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
                 .await
                 .with_context(|| format!("loading kubeconfig {}", path.display()))?
         }
         None => match &cfg.master {
-            Some(master) => kube::Config::new(master.parse().with_context(|| format!("invalid value {master:?} for --master"))?),
-            None => kube::Config::infer().await.context("no --kubeconfig or --master, and no in-cluster configuration")?,
+            Some(master) => kube::Config::new(
+                master
+                    .parse()
+                    .with_context(|| format!("invalid value {master:?} for --master"))?,
+            ),
+            None => kube::Config::infer()
+                .await
+                .context("no --kubeconfig or --master, and no in-cluster configuration")?,
         },
     };
     if let (Some(master), Some(_)) = (&cfg.master, &cfg.kubeconfig) {
         // Upstream: --master overrides the kubeconfig's server.
-        config.cluster_url = master.parse().with_context(|| format!("invalid value {master:?} for --master"))?;
+        config.cluster_url = master
+            .parse()
+            .with_context(|| format!("invalid value {master:?} for --master"))?;
     }
     Client::try_from(config).context("building the API client")
 }
@@ -178,7 +218,10 @@ async fn watch<K>(
 
 /// Upstream's "Starting" event on the Node (its `birthCry`).
 async fn birth_cry(client: Client, node_name: String) {
-    let reporter = Reporter { controller: "kube-proxy".into(), instance: Some(node_name.clone()) };
+    let reporter = Reporter {
+        controller: "kube-proxy".into(),
+        instance: Some(node_name.clone()),
+    };
     let recorder = Recorder::new(client, reporter);
     let node = ObjectReference {
         kind: Some("Node".into()),
@@ -219,7 +262,11 @@ mod tests {
     #[test]
     fn relist_turns_missing_objects_into_deletions() {
         let mut k = KindStore::<Service>::default();
-        for e in [watcher::Event::Init, watcher::Event::InitApply(svc("a")), watcher::Event::InitApply(svc("b"))] {
+        for e in [
+            watcher::Event::Init,
+            watcher::Event::InitApply(svc("a")),
+            watcher::Event::InitApply(svc("b")),
+        ] {
             assert!(!k.apply(e));
         }
         assert!(!k.synced);
@@ -238,6 +285,9 @@ mod tests {
 
     #[test]
     fn selector_is_upstreams() {
-        assert_eq!(label_selector(), "!service.kubernetes.io/headless,!service.kubernetes.io/service-proxy-name");
+        assert_eq!(
+            label_selector(),
+            "!service.kubernetes.io/headless,!service.kubernetes.io/service-proxy-name"
+        );
     }
 }

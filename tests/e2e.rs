@@ -504,8 +504,14 @@ fn cleanup_removes_everything_we_own() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let mut c = Cluster::start("cleanup", 1, |b| web(&[local(b.endpoint(0).ip)]));
     // Someone else's rule in nat must survive.
-    c.bed.node.exec_ok("iptables", ["-t", "nat", "-N", "OTHER"]).expect("foreign chain");
-    c.bed.node.exec_ok("iptables", ["-t", "nat", "-A", "PREROUTING", "-j", "OTHER"]).expect("foreign rule");
+    c.bed
+        .node
+        .exec_ok("iptables", ["-t", "nat", "-N", "OTHER"])
+        .expect("foreign chain");
+    c.bed
+        .node
+        .exec_ok("iptables", ["-t", "nat", "-A", "PREROUTING", "-j", "OTHER"])
+        .expect("foreign rule");
     drop(c.daemon.take());
     let out = c.bed.node.exec(BIN, ["--cleanup"]).expect("cleanup runs");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -513,8 +519,18 @@ fn cleanup_removes_everything_we_own() {
     assert!(!nat.contains("KUBE-"), "no KUBE chains or jumps left in nat:\n{nat}");
     assert!(nat.contains("-A PREROUTING -j OTHER"), "foreign rules stay:\n{nat}");
     let filter = c.filter();
-    let ours: Vec<&str> = filter.lines().filter(|l| l.contains("KUBE-") && !l.contains("KUBE-FIREWALL")).collect();
-    assert!(ours.is_empty(), "only kubelet's KUBE-FIREWALL may stay in filter: {ours:?}");
-    let mangle = c.bed.node.exec_ok("iptables-save", ["-t", "mangle"]).expect("iptables-save");
+    let ours: Vec<&str> = filter
+        .lines()
+        .filter(|l| l.contains("KUBE-") && !l.contains("KUBE-FIREWALL"))
+        .collect();
+    assert!(
+        ours.is_empty(),
+        "only kubelet's KUBE-FIREWALL may stay in filter: {ours:?}"
+    );
+    let mangle = c
+        .bed
+        .node
+        .exec_ok("iptables-save", ["-t", "mangle"])
+        .expect("iptables-save");
     assert!(!mangle.contains("KUBE-PROXY-CANARY"), "{mangle}");
 }

@@ -45,7 +45,11 @@ pub fn service(i: usize, endpoints: usize, generation: u32) -> ServicePortState 
     let cluster_ip = IpAddr::V4(Ipv4Addr::from(0x0a60_0000u32 + i as u32));
     ServicePortState {
         port: ServicePort {
-            node_port: if i.is_multiple_of(10) { 30000 + (i % 2700) as u16 } else { 0 },
+            node_port: if i.is_multiple_of(10) {
+                30000 + (i % 2700) as u16
+            } else {
+                0
+            },
             ..ServicePort::cluster_ip(name, cluster_ip, 80)
         },
         endpoints: eps,
