@@ -4,7 +4,10 @@
 //! the canary chains are checked (a flushed or reloaded table forces a full sync) and a failed
 //! sync is retried as a full one; the previous rules stay in place meanwhile.
 
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::Instant;
 
@@ -17,9 +20,13 @@ use crate::conntrack::{self, UdpServices};
 use crate::iptables::exec::Exec;
 use crate::iptables::proxier::{Proxier, cleanup};
 use crate::iptables::render::{NodePortAddresses, RenderOptions};
+use crate::healthz::ProxyHealth;
+use crate::http::{self, ServiceHealthServers, ServiceKey};
+use crate::iptables::proxier::SyncReport;
 use crate::kube_source::ApiSource;
+use crate::metrics::Metrics;
 use crate::manifest::Objects;
-use crate::model::{IpFamily, NodeInfo, build_state};
+use crate::model::{IpFamily, NodeInfo, ProxyState, build_state};
 use crate::source::{self, ManifestSource};
 
 /// Where Services, EndpointSlices and the Node come from.
@@ -46,6 +53,18 @@ pub struct ApiConfig {
 pub struct DaemonOptions {
     pub config: ProxyConfig,
     pub source: SourceConfig,
+}
+
+impl DaemonOptions {
+    /// The HTTP servers of this configuration.
+    pub fn servers(&self) -> ServerConfig {
+        ServerConfig {
+            healthz: Some(SocketAddr::from(([0, 0, 0, 0], 10256))),
+            metrics: Some(SocketAddr::from(([127, 0, 0, 1], 10249))),
+            hard_fail: false,
+            configz: serde_json::json!({}),
+        }
+    }
 }
 
 /// The families this node programs: IPv4, plus IPv6 when its tools exist (upstream runs both).
@@ -98,6 +117,8 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
         warn!("{w}");
     }
 
+    let telemetry = Telemetry::start(cfg, &opts.servers(), &node_name)?;
+    let is_api = matches!(opts.source, SourceConfig::Api(_));
     let (tx, rx) = mpsc::channel();
     let mut source = match &opts.source {
         SourceConfig::Manifests(dir) => {
@@ -147,6 +168,7 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
                     for p in &mut proxiers {
                         p.pending = true;
                     }
+                    telemetry.queued(&proxiers.iter().map(|p| p.family).collect::<Vec<_>>());
                 }
             }
             Err(mpsc::RecvTimeoutError::Timeout) => {}
@@ -170,15 +192,150 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
         last_sync = Some(now);
         retry_at = None;
         ensure_route_localnet(cfg, current);
+        let node = current.nodes.iter().find(|n| n.metadata.name.as_deref() == Some(node_name.as_str()));
+        // Upstream counts a missing Node as not eligible; a manifest directory need not hold one.
+        if is_api || node.is_some() {
+            telemetry.health.sync_node(node);
+        }
+        let mut states = Vec::new();
         for p in proxiers.iter_mut().filter(|p| p.pending) {
             p.proxier.set_options(options(cfg, p.family, current));
-            if sync_family(cfg, p, current) {
-                p.pending = false;
-            } else {
-                retry_at = Some(Instant::now() + cfg.sync_period);
+            match sync_family(cfg, p, current) {
+                Ok((state, report)) => {
+                    telemetry.synced(p.family, &report);
+                    p.pending = false;
+                    states.push(state);
+                }
+                Err(full) => {
+                    telemetry.failed(p.family, full);
+                    retry_at = Some(Instant::now() + cfg.sync_period);
+                }
             }
         }
+        if !states.is_empty() {
+            telemetry.sync_service_health(&states);
+        }
     }
+}
+
+/// Where the HTTP servers listen (upstream's healthzBindAddress, metricsBindAddress,
+/// bindAddressHardFail); `None` disables a server.
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    pub healthz: Option<SocketAddr>,
+    pub metrics: Option<SocketAddr>,
+    pub hard_fail: bool,
+    /// What `/configz` shows under `kubeproxy.config.k8s.io`.
+    pub configz: serde_json::Value,
+}
+
+/// Health, metrics and the health-check node ports, shared by the sync loop and the servers.
+struct Telemetry {
+    health: ProxyHealth,
+    metrics: Arc<Metrics>,
+    service_health: ServiceHealthServers,
+    runtime: tokio::runtime::Runtime,
+}
+
+impl Telemetry {
+    fn start(cfg: &ProxyConfig, servers: &ServerConfig, node_name: &str) -> anyhow::Result<Telemetry> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("kube-proxy-http")
+            .enable_all()
+            .build()
+            .context("starting the HTTP runtime")?;
+        // Upstream: unhealthy when a queued update waits longer than 2 × syncPeriod.
+        let health = ProxyHealth::new(cfg.sync_period * 2);
+        let metrics = Arc::new(Metrics::new(cfg.mode.as_str()));
+        let bind = |addr: SocketAddr, what: &str| -> anyhow::Result<Option<tokio::net::TcpListener>> {
+            match runtime.block_on(tokio::net::TcpListener::bind(addr)) {
+                Ok(l) => {
+                    info!(address = %addr, server = what, "Serving");
+                    Ok(Some(l))
+                }
+                Err(e) if servers.hard_fail => Err(e).with_context(|| format!("binding the {what} server to {addr}")),
+                Err(e) => {
+                    error!(address = %addr, server = what, error = %e, "Could not bind; continuing without it (set --bind-address-hard-fail to exit instead)");
+                    Ok(None)
+                }
+            }
+        };
+        if let Some(addr) = servers.healthz
+            && let Some(listener) = bind(addr, "healthz")?
+        {
+            let router = http::healthz_router(health.clone(), metrics.clone());
+            runtime.spawn(http::serve(listener, router, std::future::pending()));
+        }
+        if let Some(addr) = servers.metrics
+            && let Some(listener) = bind(addr, "metrics")?
+        {
+            let router = http::metrics_router(metrics.clone(), health.clone(), cfg.mode.as_str(), servers.configz.clone());
+            runtime.spawn(http::serve(listener, router, std::future::pending()));
+        }
+        let addresses = health_check_addresses(cfg);
+        let service_health = ServiceHealthServers::new(node_name, addresses, health.clone());
+        Ok(Telemetry { health, metrics, service_health, runtime })
+    }
+
+    fn queued(&self, families: &[IpFamily]) {
+        for f in families {
+            self.health.queued_update(*f);
+            self.metrics.sync_proxy_rules_last_queued_timestamp.with_label_values(&[f.as_str()]).set(unix_now());
+        }
+    }
+
+    fn synced(&self, family: IpFamily, report: &SyncReport) {
+        let f = [family.as_str()];
+        let secs = report.elapsed.as_secs_f64();
+        self.metrics.sync_proxy_rules_duration.with_label_values(&f).observe(secs);
+        if report.full {
+            self.metrics.sync_full_proxy_rules_duration.with_label_values(&f).observe(secs);
+        } else {
+            self.metrics.sync_partial_proxy_rules_duration.with_label_values(&f).observe(secs);
+        }
+        self.metrics.sync_proxy_rules_last_timestamp.with_label_values(&f).set(unix_now());
+        self.health.updated(family);
+    }
+
+    fn failed(&self, family: IpFamily, full: bool) {
+        let f = [family.as_str()];
+        self.metrics.iptables_restore_failures_total.with_label_values(&f).inc();
+        if !full {
+            self.metrics.iptables_partial_restore_failures_total.with_label_values(&f).inc();
+        }
+    }
+
+    /// Health-check node ports of ETP-Local LoadBalancers and their local ready endpoints.
+    fn sync_service_health(&self, states: &[ProxyState]) {
+        let mut ports: BTreeMap<ServiceKey, u16> = BTreeMap::new();
+        let mut local: BTreeMap<ServiceKey, BTreeSet<std::net::IpAddr>> = BTreeMap::new();
+        for state in states {
+            for sps in &state.service_ports {
+                let key = (sps.port.name.namespace.clone(), sps.port.name.name.clone());
+                if sps.port.health_check_node_port != 0 {
+                    ports.insert(key.clone(), sps.port.health_check_node_port);
+                }
+                let ready = local.entry(key).or_default();
+                ready.extend(sps.endpoints.iter().filter(|e| e.is_local && e.ready).map(|e| e.ip));
+            }
+        }
+        for e in self.runtime.block_on(self.service_health.sync_services(ports)) {
+            warn!(error = %e, "Health-check node port");
+        }
+        self.service_health.sync_endpoints(local.into_iter().map(|(k, v)| (k, v.len())).collect());
+    }
+}
+
+fn unix_now() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+}
+
+/// Health-check servers listen on the nodePortAddresses that are specific CIDRs (the node's
+/// addresses within them), else on the wildcard, as upstream.
+fn health_check_addresses(cfg: &ProxyConfig) -> Vec<std::net::IpAddr> {
+    let _ = cfg;
+    Vec::new()
 }
 
 fn reload(src: &mut ManifestSource) -> Objects {
@@ -225,8 +382,9 @@ fn ensure_route_localnet(cfg: &ProxyConfig, objects: &Objects) {
     }
 }
 
-/// One sync of one family; false when it failed (it will be retried as a full sync).
-fn sync_family(cfg: &ProxyConfig, p: &mut FamilyProxier, objects: &Objects) -> bool {
+/// One sync of one family: its state and report, or (on failure, retried as a full sync)
+/// whether the failed sync was a full one.
+fn sync_family(cfg: &ProxyConfig, p: &mut FamilyProxier, objects: &Objects) -> Result<(ProxyState, SyncReport), bool> {
     let node = app::node_info(objects, cfg);
     let state = build_state(objects, &node, p.family);
     for w in &state.warnings {
@@ -247,11 +405,11 @@ fn sync_family(cfg: &ProxyConfig, p: &mut FamilyProxier, objects: &Objects) -> b
             if report.udp_endpoints_removed || report.full {
                 clean_conntrack(p.family, &state);
             }
-            true
+            Ok((state, report))
         }
         Err(e) => {
             error!(ip_family = %p.family, error = %e, "Sync failed; keeping the previous rules and retrying with a full sync");
-            false
+            Err(p.proxier.last_attempt_full())
         }
     }
 }

@@ -78,6 +78,7 @@ pub struct Proxier<I: Iptables> {
     services: HashMap<ServicePortName, CachedService>,
     applied: Option<Applied>,
     last_full: Option<Instant>,
+    last_attempt_full: bool,
 }
 
 impl<I: Iptables> Proxier<I> {
@@ -88,6 +89,7 @@ impl<I: Iptables> Proxier<I> {
             services: HashMap::new(),
             applied: None,
             last_full: None,
+            last_attempt_full: false,
         }
     }
 
@@ -102,6 +104,11 @@ impl<I: Iptables> Proxier<I> {
             self.opts = opts;
             self.applied = None;
         }
+    }
+
+    /// Whether the last sync attempted (successful or not) was a full one.
+    pub fn last_attempt_full(&self) -> bool {
+        self.last_attempt_full
     }
 
     /// Makes the next sync a full one (after a failure, a flush by someone else, ...).
@@ -131,6 +138,7 @@ impl<I: Iptables> Proxier<I> {
             (Some(applied), Some(last)) => applied.ctx != ctx || last.elapsed() > FULL_SYNC_PERIOD,
             _ => true,
         };
+        self.last_attempt_full = full;
         let result = self.sync_inner(state, ctx, full);
         match result {
             Ok(mut report) => {
