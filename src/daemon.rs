@@ -164,6 +164,8 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
                 if let Some(next) = source.snapshot()
                     && objects.as_ref().is_none_or(|o| next_differs(o, &next))
                 {
+                    let (services, slices, triggers) = changes(objects.as_ref(), &next);
+                    telemetry.changed(services, slices, triggers);
                     objects = Some(next);
                     for p in &mut proxiers {
                         p.pending = true;
@@ -215,6 +217,9 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
         if !states.is_empty() {
             telemetry.sync_service_health(&states);
         }
+        if proxiers.iter().all(|p| !p.pending) {
+            telemetry.all_synced(&proxiers.iter().map(|p| p.family).collect::<Vec<_>>());
+        }
     }
 }
 
@@ -235,6 +240,8 @@ struct Telemetry {
     metrics: Arc<Metrics>,
     service_health: ServiceHealthServers,
     runtime: tokio::runtime::Runtime,
+    /// Trigger times of EndpointSlice changes not yet synced.
+    triggers: std::sync::Mutex<Vec<std::time::SystemTime>>,
 }
 
 impl Telemetry {
@@ -275,13 +282,38 @@ impl Telemetry {
         }
         let addresses = health_check_addresses(cfg);
         let service_health = ServiceHealthServers::new(node_name, addresses, health.clone());
-        Ok(Telemetry { health, metrics, service_health, runtime })
+        Ok(Telemetry { health, metrics, service_health, runtime, triggers: std::sync::Mutex::new(Vec::new()) })
     }
 
     fn queued(&self, families: &[IpFamily]) {
         for f in families {
             self.health.queued_update(*f);
             self.metrics.sync_proxy_rules_last_queued_timestamp.with_label_values(&[f.as_str()]).set(unix_now());
+        }
+    }
+
+    fn changed(&self, services: usize, slices: usize, triggers: Vec<std::time::SystemTime>) {
+        self.metrics.service_changes_total.inc_by(services as f64);
+        self.metrics.endpoint_changes_total.inc_by(slices as f64);
+        self.metrics.service_changes_pending.add(services as f64);
+        self.metrics.endpoint_changes_pending.add(slices as f64);
+        if let Ok(mut pending) = self.triggers.lock() {
+            pending.extend(triggers);
+        }
+    }
+
+    /// After a sync of every family: pending changes are applied; the network-programming
+    /// latency of each changed EndpointSlice is observed.
+    fn all_synced(&self, families: &[IpFamily]) {
+        self.metrics.service_changes_pending.set(0.0);
+        self.metrics.endpoint_changes_pending.set(0.0);
+        let triggers = self.triggers.lock().map(|mut t| std::mem::take(&mut *t)).unwrap_or_default();
+        let now = std::time::SystemTime::now();
+        for t in triggers {
+            let latency = now.duration_since(t).map(|d| d.as_secs_f64()).unwrap_or(0.0);
+            for f in families {
+                self.metrics.network_programming_duration.with_label_values(&[f.as_str()]).observe(latency);
+            }
         }
     }
 
@@ -344,6 +376,44 @@ fn reload(src: &mut ManifestSource) -> Objects {
         warn!("{m}");
     }
     snapshot.objects
+}
+
+/// What changed between two snapshots, for upstream's change metrics: the number of Services
+/// and EndpointSlices added, changed or removed, and the `last-change-trigger-time`
+/// annotations of the changed slices (for `network_programming_duration_seconds`).
+fn changes(old: Option<&Objects>, new: &Objects) -> (usize, usize, Vec<std::time::SystemTime>) {
+    fn by_key<T: serde::Serialize + k8s_openapi::Metadata<Ty = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>>(
+        list: &[T],
+    ) -> BTreeMap<(String, String), String> {
+        list.iter()
+            .map(|o| {
+                let m = o.metadata();
+                let key = (m.namespace.clone().unwrap_or_default(), m.name.clone().unwrap_or_default());
+                (key, serde_json::to_string(o).unwrap_or_default())
+            })
+            .collect()
+    }
+    fn diff(a: &BTreeMap<(String, String), String>, b: &BTreeMap<(String, String), String>) -> Vec<(String, String)> {
+        let mut keys: BTreeSet<&(String, String)> = a.keys().collect();
+        keys.extend(b.keys());
+        keys.into_iter().filter(|k| a.get(*k) != b.get(*k)).cloned().collect()
+    }
+    let empty = Objects::default();
+    let old = old.unwrap_or(&empty);
+    let services = diff(&by_key(&old.services), &by_key(&new.services)).len();
+    let changed_slices = diff(&by_key(&old.endpoint_slices), &by_key(&new.endpoint_slices));
+    let mut triggers = Vec::new();
+    for s in &new.endpoint_slices {
+        let key = (s.metadata.namespace.clone().unwrap_or_default(), s.metadata.name.clone().unwrap_or_default());
+        if !changed_slices.contains(&key) {
+            continue;
+        }
+        let annotation = s.metadata.annotations.as_ref().and_then(|a| a.get("endpoints.kubernetes.io/last-change-trigger-time"));
+        if let Some(t) = annotation.and_then(|v| v.parse::<jiff::Timestamp>().ok()) {
+            triggers.push(std::time::SystemTime::from(t));
+        }
+    }
+    (services, changed_slices.len(), triggers)
 }
 
 /// Cheap change check: the objects as JSON (a reload that changed nothing costs no sync).

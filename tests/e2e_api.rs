@@ -81,7 +81,8 @@ fn slice(service: &str, eps: &[(IpAddr, &str)]) -> Value {
     let endpoints: Vec<Value> =
         eps.iter().map(|(ip, node)| json!({"addresses": [ip.to_string()], "nodeName": node, "conditions": {"ready": true}})).collect();
     json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-           "metadata": {"name": format!("{service}-1"), "namespace": "default", "labels": {"kubernetes.io/service-name": service}},
+           "metadata": {"name": format!("{service}-1"), "namespace": "default", "labels": {"kubernetes.io/service-name": service},
+                        "annotations": {"endpoints.kubernetes.io/last-change-trigger-time": jiff::Timestamp::now().to_string()}},
            "addressType": "IPv4", "ports": [{"name": "p", "protocol": "TCP", "port": 8080}], "endpoints": endpoints})
 }
 
@@ -263,6 +264,7 @@ fn health_check_node_port_and_metrics_over_http() {
         "kubeproxy_sync_full_proxy_rules_duration_seconds",
         "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
         "# TYPE kubeproxy_sync_proxy_rules_endpoint_changes_total counter",
+        "kubeproxy_network_programming_duration_seconds_count{ip_family=\"IPv4\"}",
     ] {
         assert!(text.contains(name), "{name} in /metrics:\n{text}");
     }
