@@ -17,15 +17,15 @@ use tracing::{debug, error, info, warn};
 use crate::app;
 use crate::config::ProxyConfig;
 use crate::conntrack::{self, UdpServices};
-use crate::iptables::exec::Exec;
-use crate::iptables::proxier::{Proxier, cleanup};
-use crate::iptables::render::{NodePortAddresses, RenderOptions};
 use crate::healthz::ProxyHealth;
 use crate::http::{self, ServiceHealthServers, ServiceKey};
+use crate::iptables::exec::Exec;
 use crate::iptables::proxier::SyncReport;
+use crate::iptables::proxier::{Proxier, cleanup};
+use crate::iptables::render::{NodePortAddresses, RenderOptions};
 use crate::kube_source::ApiSource;
-use crate::metrics::Metrics;
 use crate::manifest::Objects;
+use crate::metrics::Metrics;
 use crate::model::{IpFamily, NodeInfo, ProxyState, build_state};
 use crate::source::{self, ManifestSource};
 
@@ -58,11 +58,12 @@ pub struct DaemonOptions {
 impl DaemonOptions {
     /// The HTTP servers of this configuration.
     pub fn servers(&self) -> ServerConfig {
+        let c = &self.config;
         ServerConfig {
-            healthz: Some(SocketAddr::from(([0, 0, 0, 0], 10256))),
-            metrics: Some(SocketAddr::from(([127, 0, 0, 1], 10249))),
-            hard_fail: false,
-            configz: serde_json::json!({}),
+            healthz: c.healthz_bind_address,
+            metrics: c.metrics_bind_address,
+            hard_fail: c.bind_address_hard_fail,
+            configz: serde_json::to_value(&c.effective).unwrap_or_default(),
         }
     }
 }
@@ -194,7 +195,10 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
         last_sync = Some(now);
         retry_at = None;
         ensure_route_localnet(cfg, current);
-        let node = current.nodes.iter().find(|n| n.metadata.name.as_deref() == Some(node_name.as_str()));
+        let node = current
+            .nodes
+            .iter()
+            .find(|n| n.metadata.name.as_deref() == Some(node_name.as_str()));
         // Upstream counts a missing Node as not eligible; a manifest directory need not hold one.
         if is_api || node.is_some() {
             telemetry.health.sync_node(node);
@@ -277,18 +281,32 @@ impl Telemetry {
         if let Some(addr) = servers.metrics
             && let Some(listener) = bind(addr, "metrics")?
         {
-            let router = http::metrics_router(metrics.clone(), health.clone(), cfg.mode.as_str(), servers.configz.clone());
+            let router = http::metrics_router(
+                metrics.clone(),
+                health.clone(),
+                cfg.mode.as_str(),
+                servers.configz.clone(),
+            );
             runtime.spawn(http::serve(listener, router, std::future::pending()));
         }
         let addresses = health_check_addresses(cfg);
         let service_health = ServiceHealthServers::new(node_name, addresses, health.clone());
-        Ok(Telemetry { health, metrics, service_health, runtime, triggers: std::sync::Mutex::new(Vec::new()) })
+        Ok(Telemetry {
+            health,
+            metrics,
+            service_health,
+            runtime,
+            triggers: std::sync::Mutex::new(Vec::new()),
+        })
     }
 
     fn queued(&self, families: &[IpFamily]) {
         for f in families {
             self.health.queued_update(*f);
-            self.metrics.sync_proxy_rules_last_queued_timestamp.with_label_values(&[f.as_str()]).set(unix_now());
+            self.metrics
+                .sync_proxy_rules_last_queued_timestamp
+                .with_label_values(&[f.as_str()])
+                .set(unix_now());
         }
     }
 
@@ -307,12 +325,19 @@ impl Telemetry {
     fn all_synced(&self, families: &[IpFamily]) {
         self.metrics.service_changes_pending.set(0.0);
         self.metrics.endpoint_changes_pending.set(0.0);
-        let triggers = self.triggers.lock().map(|mut t| std::mem::take(&mut *t)).unwrap_or_default();
+        let triggers = self
+            .triggers
+            .lock()
+            .map(|mut t| std::mem::take(&mut *t))
+            .unwrap_or_default();
         let now = std::time::SystemTime::now();
         for t in triggers {
             let latency = now.duration_since(t).map(|d| d.as_secs_f64()).unwrap_or(0.0);
             for f in families {
-                self.metrics.network_programming_duration.with_label_values(&[f.as_str()]).observe(latency);
+                self.metrics
+                    .network_programming_duration
+                    .with_label_values(&[f.as_str()])
+                    .observe(latency);
             }
         }
     }
@@ -320,13 +345,25 @@ impl Telemetry {
     fn synced(&self, family: IpFamily, report: &SyncReport) {
         let f = [family.as_str()];
         let secs = report.elapsed.as_secs_f64();
-        self.metrics.sync_proxy_rules_duration.with_label_values(&f).observe(secs);
+        self.metrics
+            .sync_proxy_rules_duration
+            .with_label_values(&f)
+            .observe(secs);
         if report.full {
-            self.metrics.sync_full_proxy_rules_duration.with_label_values(&f).observe(secs);
+            self.metrics
+                .sync_full_proxy_rules_duration
+                .with_label_values(&f)
+                .observe(secs);
         } else {
-            self.metrics.sync_partial_proxy_rules_duration.with_label_values(&f).observe(secs);
+            self.metrics
+                .sync_partial_proxy_rules_duration
+                .with_label_values(&f)
+                .observe(secs);
         }
-        self.metrics.sync_proxy_rules_last_timestamp.with_label_values(&f).set(unix_now());
+        self.metrics
+            .sync_proxy_rules_last_timestamp
+            .with_label_values(&f)
+            .set(unix_now());
         self.health.updated(family);
     }
 
@@ -334,7 +371,10 @@ impl Telemetry {
         let f = [family.as_str()];
         self.metrics.iptables_restore_failures_total.with_label_values(&f).inc();
         if !full {
-            self.metrics.iptables_partial_restore_failures_total.with_label_values(&f).inc();
+            self.metrics
+                .iptables_partial_restore_failures_total
+                .with_label_values(&f)
+                .inc();
         }
     }
 
@@ -355,12 +395,16 @@ impl Telemetry {
         for e in self.runtime.block_on(self.service_health.sync_services(ports)) {
             warn!(error = %e, "Health-check node port");
         }
-        self.service_health.sync_endpoints(local.into_iter().map(|(k, v)| (k, v.len())).collect());
+        self.service_health
+            .sync_endpoints(local.into_iter().map(|(k, v)| (k, v.len())).collect());
     }
 }
 
 fn unix_now() -> f64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
 }
 
 /// Health-check servers listen on the nodePortAddresses that are specific CIDRs (the node's
@@ -382,13 +426,18 @@ fn reload(src: &mut ManifestSource) -> Objects {
 /// and EndpointSlices added, changed or removed, and the `last-change-trigger-time`
 /// annotations of the changed slices (for `network_programming_duration_seconds`).
 fn changes(old: Option<&Objects>, new: &Objects) -> (usize, usize, Vec<std::time::SystemTime>) {
-    fn by_key<T: serde::Serialize + k8s_openapi::Metadata<Ty = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>>(
+    fn by_key<
+        T: serde::Serialize + k8s_openapi::Metadata<Ty = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>,
+    >(
         list: &[T],
     ) -> BTreeMap<(String, String), String> {
         list.iter()
             .map(|o| {
                 let m = o.metadata();
-                let key = (m.namespace.clone().unwrap_or_default(), m.name.clone().unwrap_or_default());
+                let key = (
+                    m.namespace.clone().unwrap_or_default(),
+                    m.name.clone().unwrap_or_default(),
+                );
                 (key, serde_json::to_string(o).unwrap_or_default())
             })
             .collect()
@@ -404,11 +453,18 @@ fn changes(old: Option<&Objects>, new: &Objects) -> (usize, usize, Vec<std::time
     let changed_slices = diff(&by_key(&old.endpoint_slices), &by_key(&new.endpoint_slices));
     let mut triggers = Vec::new();
     for s in &new.endpoint_slices {
-        let key = (s.metadata.namespace.clone().unwrap_or_default(), s.metadata.name.clone().unwrap_or_default());
+        let key = (
+            s.metadata.namespace.clone().unwrap_or_default(),
+            s.metadata.name.clone().unwrap_or_default(),
+        );
         if !changed_slices.contains(&key) {
             continue;
         }
-        let annotation = s.metadata.annotations.as_ref().and_then(|a| a.get("endpoints.kubernetes.io/last-change-trigger-time"));
+        let annotation = s
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get("endpoints.kubernetes.io/last-change-trigger-time"));
         if let Some(t) = annotation.and_then(|v| v.parse::<jiff::Timestamp>().ok()) {
             triggers.push(std::time::SystemTime::from(t));
         }

@@ -111,6 +111,16 @@ impl ApiSource {
             .build()
             .context("starting the API source's runtime")?;
         let client = runtime.block_on(client(cfg))?;
+        // kube-rs speaks JSON and has no client-side rate limiter; both settings shape only
+        // the (few) list/watch requests, so they are reported, not emulated.
+        if cfg.content_type.contains("protobuf") {
+            info!(content_type = %cfg.content_type, "clientConnection.contentType: using application/json (protobuf is not implemented)");
+        }
+        info!(
+            qps = cfg.qps,
+            burst = cfg.burst,
+            "clientConnection.qps/burst are not enforced (only list and watch requests are made)"
+        );
         let store = Arc::new(Mutex::new(Store::default()));
         let selector = label_selector();
         let svc_cfg = watcher::Config::default().labels(&selector);

@@ -47,7 +47,12 @@ use crate::config::{LogFormat, LoggingConfig};
 pub fn init(cfg: &LoggingConfig) {
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::util::SubscriberInitExt;
-    let layer = KlogLayer::new(cfg, StdOutput { split_stream: cfg.split_stream });
+    let layer = KlogLayer::new(
+        cfg,
+        StdOutput {
+            split_stream: cfg.split_stream,
+        },
+    );
     let _ = tracing_subscriber::registry().with(layer).try_init();
 }
 
@@ -172,7 +177,13 @@ where
     }
 
     fn max_level_hint(&self) -> Option<LevelFilter> {
-        let max = self.vmodule.iter().map(|(_, v)| *v).chain([self.verbosity]).max().unwrap_or(0);
+        let max = self
+            .vmodule
+            .iter()
+            .map(|(_, v)| *v)
+            .chain([self.verbosity])
+            .max()
+            .unwrap_or(0);
         Some(if max >= 4 {
             LevelFilter::TRACE
         } else if max >= 2 {
@@ -292,7 +303,11 @@ fn short_caller(file: &str) -> String {
 /// whole path without `.rs` when the pattern contains `/`.
 pub fn vmodule_matches(pattern: &str, file: &str) -> bool {
     let file = file.strip_suffix(".rs").unwrap_or(file);
-    let subject = if pattern.contains('/') { file } else { file.rsplit('/').next().unwrap_or(file) };
+    let subject = if pattern.contains('/') {
+        file
+    } else {
+        file.rsplit('/').next().unwrap_or(file)
+    };
     glob(pattern.as_bytes(), subject.as_bytes())
 }
 
@@ -518,7 +533,10 @@ mod tests {
     }
 
     fn text(verbosity: u32) -> LoggingConfig {
-        LoggingConfig { verbosity, ..LoggingConfig::default() }
+        LoggingConfig {
+            verbosity,
+            ..LoggingConfig::default()
+        }
     }
 
     /// `I` + MMDD + space + hh:mm:ss.uuuuuu + space + pid padded to 7 + space; returns the rest.
@@ -546,13 +564,21 @@ mod tests {
     #[test]
     fn klog_text_line() {
         let out = capture(text(0), || {
-            tracing::info!(ip_family = "IPv4", full = true, deleted_chains = 3u64, "Synced iptables rules");
+            tracing::info!(
+                ip_family = "IPv4",
+                full = true,
+                deleted_chains = 3u64,
+                "Synced iptables rules"
+            );
         });
         let rest = strip_header(&out, 'I');
         let (caller, body) = rest.split_once("] ").unwrap();
         assert!(caller.starts_with("logging.rs:"), "{out}");
         assert!(caller["logging.rs:".len()..].parse::<u32>().is_ok(), "{out}");
-        assert_eq!(body, "\"Synced iptables rules\" ipFamily=\"IPv4\" full=true deletedChains=3\n");
+        assert_eq!(
+            body,
+            "\"Synced iptables rules\" ipFamily=\"IPv4\" full=true deletedChains=3\n"
+        );
     }
 
     #[test]
@@ -564,7 +590,10 @@ mod tests {
             tracing::info!(detail = "line one\nline two", "Multi");
         });
         let lines: Vec<&str> = out.lines().collect();
-        assert!(strip_header(lines[0], 'W').ends_with("] \"Could not do it\" node=\"node-a\""), "{out}");
+        assert!(
+            strip_header(lines[0], 'W').ends_with("] \"Could not do it\" node=\"node-a\""),
+            "{out}"
+        );
         assert!(
             strip_header(lines[1], 'E').ends_with("] \"Sync failed\" err=\"permission \\\"denied\\\"\""),
             "{out}"
@@ -584,18 +613,33 @@ mod tests {
         };
         let count = |v| capture(text(v), emit).lines().count();
         assert_eq!((count(0), count(1), count(2), count(3), count(4)), (1, 1, 2, 2, 3));
-        let vmodule = LoggingConfig { vmodule: vec![("log*".into(), 4)], ..text(0) };
+        let vmodule = LoggingConfig {
+            vmodule: vec![("log*".into(), 4)],
+            ..text(0)
+        };
         assert_eq!(capture(vmodule, emit).lines().count(), 3);
-        let other = LoggingConfig { vmodule: vec![("daemon".into(), 4)], ..text(0) };
+        let other = LoggingConfig {
+            vmodule: vec![("daemon".into(), 4)],
+            ..text(0)
+        };
         assert_eq!(capture(other, emit).lines().count(), 1);
         assert!(vmodule_matches("src/log*", "src/logging.rs") && !vmodule_matches("src/x*", "src/logging.rs"));
     }
 
     #[test]
     fn json_lines() {
-        let cfg = LoggingConfig { format: LogFormat::Json, verbosity: 2, ..LoggingConfig::default() };
+        let cfg = LoggingConfig {
+            format: LogFormat::Json,
+            verbosity: 2,
+            ..LoggingConfig::default()
+        };
         let out = capture(cfg, || {
-            tracing::info!(ip_family = "IPv4", full = true, elapsed_ms = 1.5, "Synced iptables rules");
+            tracing::info!(
+                ip_family = "IPv4",
+                full = true,
+                elapsed_ms = 1.5,
+                "Synced iptables rules"
+            );
             tracing::debug!(n = -3i64, "Detail");
             tracing::error!(error = "boom", "Failed");
         });
@@ -603,10 +647,19 @@ mod tests {
         assert_eq!(lines.len(), 3, "{out}");
         let first = &lines[0];
         assert_eq!(first["msg"], "Synced iptables rules");
-        assert!(first["caller"].as_str().unwrap().starts_with("src/logging.rs:"), "{out}");
+        assert!(
+            first["caller"].as_str().unwrap().starts_with("src/logging.rs:"),
+            "{out}"
+        );
         assert!(first["ts"].as_f64().unwrap() > 1.6e12, "milliseconds: {out}");
-        assert_eq!((first["v"].as_u64(), first["ipFamily"].as_str()), (Some(0), Some("IPv4")));
-        assert_eq!((first["full"].as_bool(), first["elapsedMs"].as_f64()), (Some(true), Some(1.5)));
+        assert_eq!(
+            (first["v"].as_u64(), first["ipFamily"].as_str()),
+            (Some(0), Some("IPv4"))
+        );
+        assert_eq!(
+            (first["full"].as_bool(), first["elapsedMs"].as_f64()),
+            (Some(true), Some(1.5))
+        );
         assert_eq!((lines[1]["v"].as_u64(), lines[1]["n"].as_i64()), (Some(2), Some(-3)));
         assert!(lines[2].get("v").is_none() && lines[2]["err"] == "boom", "{out}");
         // Keys in zap's order.
@@ -617,7 +670,10 @@ mod tests {
     fn header_and_helpers() {
         // 2023-11-30 13:05:01.123456 UTC.
         let t = UNIX_EPOCH + Duration::from_micros(1_701_349_501_123_456);
-        assert_eq!(klog_header('I', t, 12345, "daemon.rs", 123), "I1130 13:05:01.123456   12345 daemon.rs:123] ");
+        assert_eq!(
+            klog_header('I', t, 12345, "daemon.rs", 123),
+            "I1130 13:05:01.123456   12345 daemon.rs:123] "
+        );
         assert_eq!(civil_from_days(0), (1970, 1, 1));
         assert_eq!(civil_from_days(19_782), (2024, 2, 29));
         assert_eq!(klog_key("nf_conntrack_max"), "nfConntrackMax");

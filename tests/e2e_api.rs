@@ -46,7 +46,10 @@ fn http_get(ns: &str, addr: SocketAddr, path: &str) -> Option<(u16, String)> {
         let mut text = String::new();
         s.read_to_string(&mut text).ok()?;
         let status = text.split_whitespace().nth(1)?.parse().ok()?;
-        let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+        let body = text
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_string())
+            .unwrap_or_default();
         Some((status, body))
     })
 }
@@ -57,7 +60,10 @@ fn wait_until(timeout: Duration, what: &str, mut check: impl FnMut() -> bool) ->
         if check() {
             return start.elapsed();
         }
-        assert!(start.elapsed() < timeout, "timed out after {timeout:?} waiting for {what}");
+        assert!(
+            start.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for {what}"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }
@@ -78,8 +84,10 @@ fn service(name: &str, ip: &str, extra: Value) -> Value {
 }
 
 fn slice(service: &str, eps: &[(IpAddr, &str)]) -> Value {
-    let endpoints: Vec<Value> =
-        eps.iter().map(|(ip, node)| json!({"addresses": [ip.to_string()], "nodeName": node, "conditions": {"ready": true}})).collect();
+    let endpoints: Vec<Value> = eps
+        .iter()
+        .map(|(ip, node)| json!({"addresses": [ip.to_string()], "nodeName": node, "conditions": {"ready": true}}))
+        .collect();
     json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
            "metadata": {"name": format!("{service}-1"), "namespace": "default", "labels": {"kubernetes.io/service-name": service},
                         "annotations": {"endpoints.kubernetes.io/last-change-trigger-time": jiff::Timestamp::now().to_string()}},
@@ -121,16 +129,32 @@ impl Cluster {
         .map(|s| s.to_string())
         .collect();
         let daemon = bed.spawn_in_node(Path::new(BIN), &args).expect("daemon starts");
-        daemon.wait_for_log("Synced iptables rules", Duration::from_secs(30)).expect("first sync");
-        Cluster { bed, api, _kubeconfig: kubeconfig, _daemon: daemon }
+        daemon
+            .wait_for_log("Synced iptables rules", Duration::from_secs(30))
+            .expect("first sync");
+        Cluster {
+            bed,
+            api,
+            _kubeconfig: kubeconfig,
+            _daemon: daemon,
+        }
     }
 
     fn nat(&self) -> String {
-        self.bed.node.exec_ok("iptables-save", ["-t", "nat"]).expect("iptables-save")
+        self.bed
+            .node
+            .exec_ok("iptables-save", ["-t", "nat"])
+            .expect("iptables-save")
     }
 
     fn ok(&self, to: &str, n: u32) -> bool {
-        let r = self.bed.probe(&self.bed.client, &ProbeArgs::tcp(to.parse().unwrap()).with_count(n).with_timeout_ms(500)).expect("probe");
+        let r = self
+            .bed
+            .probe(
+                &self.bed.client,
+                &ProbeArgs::tcp(to.parse().unwrap()).with_count(n).with_timeout_ms(500),
+            )
+            .expect("probe");
         r.all_ok()
     }
 }
@@ -148,10 +172,21 @@ fn api_objects_reach_the_kernel_and_the_starting_event_is_sent() {
     });
     assert!(c.ok("10.96.165.10:80", 5), "created through the API: traffic flows");
     // Update: a second endpoint.
-    c.api.apply(slice("web", &[(c.bed.endpoint(0).ip, "node-a"), (c.bed.endpoint(1).ip, "node-a")]));
+    c.api.apply(slice(
+        "web",
+        &[(c.bed.endpoint(0).ip, "node-a"), (c.bed.endpoint(1).ip, "node-a")],
+    ));
     let sep = names::endpoint_chain("default/web:p", "tcp", &c.bed.endpoint(1).server_addr().to_string());
-    wait_until(Duration::from_secs(10), "the second endpoint's chain", || c.nat().contains(&format!("-A {sep} ")));
-    let r = c.bed.probe(&c.bed.client, &ProbeArgs::tcp("10.96.165.10:80".parse().unwrap()).with_count(60)).expect("probe");
+    wait_until(Duration::from_secs(10), "the second endpoint's chain", || {
+        c.nat().contains(&format!("-A {sep} "))
+    });
+    let r = c
+        .bed
+        .probe(
+            &c.bed.client,
+            &ProbeArgs::tcp("10.96.165.10:80".parse().unwrap()).with_count(60),
+        )
+        .expect("probe");
     assert_eq!(r.names().len(), 2, "both endpoints used: {:?}", r.names());
     // A headless Service and one of another proxy are ignored (the informer selector).
     let mut other = service("other", "10.96.165.11", json!({}));
@@ -159,13 +194,21 @@ fn api_objects_reach_the_kernel_and_the_starting_event_is_sent() {
     c.api.apply(other);
     // Delete: the chains go away.
     c.api.delete("Service", "default", "web");
-    wait_until(Duration::from_secs(10), "the Service's chains to go", || !c.nat().contains(&svc_chain("web")));
+    wait_until(Duration::from_secs(10), "the Service's chains to go", || {
+        !c.nat().contains(&svc_chain("web"))
+    });
     assert!(!c.nat().contains(&svc_chain("other")), "other proxy's Service ignored");
     let requests = c.api.requests().join("\n");
-    assert!(requests.contains("labelSelector=!service.kubernetes.io/headless,!service.kubernetes.io/service-proxy-name"), "{requests}");
+    assert!(
+        requests.contains("labelSelector=!service.kubernetes.io/headless,!service.kubernetes.io/service-proxy-name"),
+        "{requests}"
+    );
     assert!(requests.contains("fieldSelector=metadata.name=node-a"), "{requests}");
     wait_until(Duration::from_secs(10), "the Starting event", || {
-        c.api.events().iter().any(|e| e["reason"] == "Starting" && e.to_string().contains("node-a"))
+        c.api
+            .events()
+            .iter()
+            .any(|e| e["reason"] == "Starting" && e.to_string().contains("node-a"))
     });
 }
 
@@ -181,23 +224,37 @@ fn api_outage_with_410_converges_without_breaking_traffic() {
     assert!(c.ok("10.96.165.10:80", 3) && c.ok("10.96.165.20:80", 3));
     let stream = std::thread::scope(|s| {
         let bed = &c.bed;
-        let args = ProbeArgs::tcp("10.96.165.10:80".parse().unwrap()).with_stream_seconds(4.0).with_interval_ms(50);
+        let args = ProbeArgs::tcp("10.96.165.10:80".parse().unwrap())
+            .with_stream_seconds(4.0)
+            .with_interval_ms(50);
         let handle = s.spawn(move || bed.probe(&bed.client, &args));
         c.api.set_unavailable(true);
         // While the API server is away, objects change: b is deleted, a gains an endpoint.
         c.api.delete("Service", "default", "b");
         c.api.delete("EndpointSlice", "default", "b-1");
-        c.api.apply(slice("a", &[(c.bed.endpoint(0).ip, "node-a"), (c.bed.endpoint(2).ip, "node-a")]));
+        c.api.apply(slice(
+            "a",
+            &[(c.bed.endpoint(0).ip, "node-a"), (c.bed.endpoint(2).ip, "node-a")],
+        ));
         c.api.expire_watches();
         // The rules stay exactly as they were meanwhile.
         std::thread::sleep(Duration::from_millis(1500));
-        assert!(c.nat().contains(&svc_chain("b")), "rules untouched while the API server is down");
-        assert!(c.ok("10.96.165.20:80", 1), "b still works while we cannot know it was deleted");
+        assert!(
+            c.nat().contains(&svc_chain("b")),
+            "rules untouched while the API server is down"
+        );
+        assert!(
+            c.ok("10.96.165.20:80", 1),
+            "b still works while we cannot know it was deleted"
+        );
         c.api.set_unavailable(false);
         handle.join().expect("probe thread").expect("probe")
     });
     let st = stream.stream.expect("stream report");
-    assert!(st.echoed == st.sent && st.errors.is_empty(), "traffic to a never broke: {st:?}");
+    assert!(
+        st.echoed == st.sent && st.errors.is_empty(),
+        "traffic to a never broke: {st:?}"
+    );
     let sep = names::endpoint_chain("default/a:p", "tcp", &c.bed.endpoint(2).server_addr().to_string());
     wait_until(Duration::from_secs(40), "convergence after the relist", || {
         let nat = c.nat();
@@ -211,26 +268,48 @@ fn healthz_turns_503_while_changes_cannot_be_synced() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let c = Cluster::start("healthz", 2, |api, bed| {
         api.apply(service("web", "10.96.165.10", json!({})));
-        api.apply(slice("web", &[(bed.endpoint(0).ip, "node-a"), (bed.endpoint(1).ip, "node-a")]));
+        api.apply(slice(
+            "web",
+            &[(bed.endpoint(0).ip, "node-a"), (bed.endpoint(1).ip, "node-a")],
+        ));
     });
     let healthz: SocketAddr = "127.0.0.1:10256".parse().unwrap();
     let node_ns = c.bed.node.name().to_string();
-    wait_until(Duration::from_secs(10), "healthz 200", || http_get(&node_ns, healthz, "/healthz").is_some_and(|(s, _)| s == 200));
+    wait_until(Duration::from_secs(10), "healthz 200", || {
+        http_get(&node_ns, healthz, "/healthz").is_some_and(|(s, _)| s == 200)
+    });
     // Someone else's rule points at an endpoint chain, so deleting that chain fails: every
     // sync of the change below fails until the rule goes.
     let sep = names::endpoint_chain("default/web:p", "tcp", &c.bed.endpoint(1).server_addr().to_string());
-    c.bed.node.exec_ok("iptables", ["-t", "nat", "-N", "PIN"]).expect("chain");
-    c.bed.node.exec_ok("iptables", ["-t", "nat", "-A", "PIN", "-j", &sep]).expect("pin rule");
+    c.bed
+        .node
+        .exec_ok("iptables", ["-t", "nat", "-N", "PIN"])
+        .expect("chain");
+    c.bed
+        .node
+        .exec_ok("iptables", ["-t", "nat", "-A", "PIN", "-j", &sep])
+        .expect("pin rule");
     c.api.apply(slice("web", &[(c.bed.endpoint(0).ip, "node-a")]));
     let unhealthy = wait_until(Duration::from_secs(SYNC_PERIOD_S * 4), "healthz 503", || {
         http_get(&node_ns, healthz, "/healthz").is_some_and(|(s, body)| s == 503 && body.contains("\"healthy\":false"))
     });
-    println!("healthz 503 after {unhealthy:?} (2 x sync period = {}s)", 2 * SYNC_PERIOD_S);
+    println!(
+        "healthz 503 after {unhealthy:?} (2 x sync period = {}s)",
+        2 * SYNC_PERIOD_S
+    );
     let (_, livez) = http_get(&node_ns, healthz, "/livez").expect("livez");
     assert!(!livez.contains("nodeEligible"), "{livez}");
-    c.bed.node.exec_ok("iptables", ["-t", "nat", "-F", "PIN"]).expect("unpin");
-    wait_until(Duration::from_secs(SYNC_PERIOD_S * 4), "healthz 200 again", || http_get(&node_ns, healthz, "/healthz").is_some_and(|(s, _)| s == 200));
-    assert!(!c.nat().contains(&format!(":{sep} ")), "the chain is gone after the retry");
+    c.bed
+        .node
+        .exec_ok("iptables", ["-t", "nat", "-F", "PIN"])
+        .expect("unpin");
+    wait_until(Duration::from_secs(SYNC_PERIOD_S * 4), "healthz 200 again", || {
+        http_get(&node_ns, healthz, "/healthz").is_some_and(|(s, _)| s == 200)
+    });
+    assert!(
+        !c.nat().contains(&format!(":{sep} ")),
+        "the chain is gone after the retry"
+    );
 }
 
 #[test]
