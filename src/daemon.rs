@@ -1,8 +1,10 @@
-//! The node daemon: reads Services, EndpointSlices and the Node from its source, and keeps
-//! the kernel's rules in sync through a bounded-frequency loop like upstream's runner:
-//! changes are coalesced and applied no more often than `minSyncPeriod`; every `syncPeriod`
-//! the canary chains are checked (a flushed or reloaded table forces a full sync) and a failed
-//! sync is retried as a full one; the previous rules stay in place meanwhile.
+//! The node daemon: reads Services, EndpointSlices and the Node from its source (the API
+//! server or a manifest directory), and keeps the kernel's rules in sync through a
+//! bounded-frequency loop like upstream's runner: changes are coalesced and applied no more
+//! often than `minSyncPeriod`; every `syncPeriod` the canary chains are checked (a flushed or
+//! reloaded table forces a full sync) and a failed sync is retried as a full one; the previous
+//! rules stay in place meanwhile. It also feeds the healthz state, the metrics and the
+//! health-check node ports, whose servers run on a small runtime of their own.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -407,10 +409,9 @@ fn unix_now() -> f64 {
         .unwrap_or(0.0)
 }
 
-/// Health-check servers listen on the nodePortAddresses that are specific CIDRs (the node's
-/// addresses within them), else on the wildcard, as upstream.
-fn health_check_addresses(cfg: &ProxyConfig) -> Vec<std::net::IpAddr> {
-    let _ = cfg;
+/// Health-check servers listen on the wildcard address. (Upstream restricts them to the
+/// node's addresses within specific nodePortAddresses CIDRs; not done yet.)
+fn health_check_addresses(_cfg: &ProxyConfig) -> Vec<std::net::IpAddr> {
     Vec::new()
 }
 
