@@ -164,11 +164,12 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
             Ok(()) => {
                 // Coalesce a burst of changes into one snapshot.
                 while rx.try_recv().is_ok() {}
-                if let Some(next) = source.snapshot()
-                    && objects.as_ref().is_none_or(|o| next_differs(o, &next))
+                let next = source.snapshot();
+                let diff = next.as_ref().map(|n| changes(objects.as_ref(), n));
+                if let (Some(next), Some(diff)) = (next, diff)
+                    && (objects.is_none() || diff.any())
                 {
-                    let (services, slices, triggers) = changes(objects.as_ref(), &next);
-                    telemetry.changed(services, slices, triggers);
+                    telemetry.changed(diff.services, diff.slices, diff.triggers);
                     objects = Some(next);
                     for p in &mut proxiers {
                         p.pending = true;
@@ -423,10 +424,26 @@ fn reload(src: &mut ManifestSource) -> Objects {
     snapshot.objects
 }
 
-/// What changed between two snapshots, for upstream's change metrics: the number of Services
-/// and EndpointSlices added, changed or removed, and the `last-change-trigger-time`
-/// annotations of the changed slices (for `network_programming_duration_seconds`).
-fn changes(old: Option<&Objects>, new: &Objects) -> (usize, usize, Vec<std::time::SystemTime>) {
+/// What changed between two snapshots.
+struct Changes {
+    /// Services added, changed or removed.
+    services: usize,
+    /// EndpointSlices added, changed or removed.
+    slices: usize,
+    /// Nodes or ServiceCIDRs changed.
+    others: bool,
+    /// `last-change-trigger-time` of the changed slices (`network_programming_duration_seconds`).
+    triggers: Vec<std::time::SystemTime>,
+}
+
+impl Changes {
+    fn any(&self) -> bool {
+        self.services > 0 || self.slices > 0 || self.others
+    }
+}
+
+/// Compares two snapshots object by object (a reload that changed nothing costs no sync).
+fn changes(old: Option<&Objects>, new: &Objects) -> Changes {
     fn by_key<
         T: serde::Serialize + k8s_openapi::Metadata<Ty = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>,
     >(
@@ -470,16 +487,10 @@ fn changes(old: Option<&Objects>, new: &Objects) -> (usize, usize, Vec<std::time
             triggers.push(std::time::SystemTime::from(t));
         }
     }
-    (services, changed_slices.len(), triggers)
+    let others = old.nodes != new.nodes || old.service_cidrs != new.service_cidrs;
+    Changes { services, slices: changed_slices.len(), others, triggers }
 }
 
-/// Cheap change check: the objects as JSON (a reload that changed nothing costs no sync).
-fn next_differs(old: &Objects, new: &Objects) -> bool {
-    fn key(o: &Objects) -> String {
-        serde_json::to_string(&(&o.services, &o.endpoint_slices, &o.nodes, &o.service_cidrs)).unwrap_or_default()
-    }
-    key(old) != key(new)
-}
 
 fn options(cfg: &ProxyConfig, family: IpFamily, objects: &Objects) -> RenderOptions {
     let node = app::node_info(objects, cfg);
