@@ -488,9 +488,13 @@ fn changes(old: Option<&Objects>, new: &Objects) -> Changes {
         }
     }
     let others = old.nodes != new.nodes || old.service_cidrs != new.service_cidrs;
-    Changes { services, slices: changed_slices.len(), others, triggers }
+    Changes {
+        services,
+        slices: changed_slices.len(),
+        others,
+        triggers,
+    }
 }
-
 
 fn options(cfg: &ProxyConfig, family: IpFamily, objects: &Objects) -> RenderOptions {
     let node = app::node_info(objects, cfg);

@@ -21,4 +21,5 @@ pub mod logging;
 pub mod manifest;
 pub mod metrics;
 pub mod model;
+pub mod nftables;
 pub mod source;
