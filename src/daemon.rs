@@ -17,7 +17,7 @@ use anyhow::Context;
 use tracing::{debug, error, info, warn};
 
 use crate::app;
-use crate::config::ProxyConfig;
+use crate::config::{ProxyConfig, ProxyMode};
 use crate::conntrack::{self, UdpServices};
 use crate::healthz::ProxyHealth;
 use crate::http::{self, ServiceHealthServers, ServiceKey};
@@ -29,6 +29,7 @@ use crate::kube_source::ApiSource;
 use crate::manifest::Objects;
 use crate::metrics::Metrics;
 use crate::model::{IpFamily, NodeInfo, ProxyState, build_state};
+use crate::nftables::{self, proxier::NftProxier};
 use crate::source::{self, ManifestSource};
 
 /// Where Services, EndpointSlices and the Node come from.
@@ -79,9 +80,61 @@ pub fn families() -> Vec<IpFamily> {
     v
 }
 
+/// The dataplane of one family.
+enum Dataplane {
+    Iptables(Proxier<Exec>),
+    Nftables(NftProxier),
+}
+
+impl Dataplane {
+    fn new(cfg: &ProxyConfig, family: IpFamily, opts: RenderOptions) -> Dataplane {
+        match cfg.mode {
+            ProxyMode::Nftables => Dataplane::Nftables(NftProxier::new(family, opts)),
+            _ => Dataplane::Iptables(Proxier::new(Exec::new(family), opts)),
+        }
+    }
+
+    /// Our canaries (iptables) or our table (nftables) are still there.
+    fn intact(&mut self, family: IpFamily) -> bool {
+        match self {
+            Dataplane::Iptables(p) => p.canaries_intact(),
+            Dataplane::Nftables(_) => nftables::proxier::table_exists(family),
+        }
+    }
+
+    fn force_full_sync(&mut self) {
+        match self {
+            Dataplane::Iptables(p) => p.force_full_sync(),
+            Dataplane::Nftables(p) => p.force_full_sync(),
+        }
+    }
+
+    fn set_options(&mut self, opts: RenderOptions) {
+        match self {
+            Dataplane::Iptables(p) => p.set_options(opts),
+            Dataplane::Nftables(p) => p.set_options(opts),
+        }
+    }
+
+    /// One sync; on failure, whether it was a full one.
+    fn sync(&mut self, state: &ProxyState) -> Result<SyncReport, (String, bool)> {
+        match self {
+            Dataplane::Iptables(p) => p.sync(state).map_err(|e| (e.to_string(), p.last_attempt_full())),
+            Dataplane::Nftables(p) => p
+                .sync(state)
+                .map(|elapsed| SyncReport {
+                    full: true,
+                    elapsed,
+                    ..SyncReport::default()
+                })
+                .map_err(|e| (e.to_string(), true)),
+        }
+    }
+}
+
 struct FamilyProxier {
     family: IpFamily,
-    proxier: Proxier<Exec>,
+    proxier: Dataplane,
     /// A sync of this family is due (a change arrived, or the last attempt failed).
     pending: bool,
 }
@@ -136,14 +189,16 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
     };
     let mut objects = source.snapshot();
     if objects.is_none() {
-        info!("Not syncing iptables until Services and Endpoints have been received from master");
+        info!("Not syncing rules until Services and Endpoints have been received from master");
     }
 
+    // Rules of the mode not in use are removed, as upstream does at start.
+    remove_other_modes(cfg.mode);
     let mut proxiers: Vec<FamilyProxier> = families()
         .into_iter()
         .map(|family| FamilyProxier {
             family,
-            proxier: Proxier::new(Exec::new(family), options(cfg, family, &Objects::default())),
+            proxier: Dataplane::new(cfg, family, options(cfg, family, &Objects::default())),
             pending: true,
         })
         .collect();
@@ -185,7 +240,7 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
         if now >= next_check {
             next_check = now + cfg.sync_period;
             for p in &mut proxiers {
-                if !p.proxier.canaries_intact() {
+                if !p.proxier.intact(p.family) {
                     warn!(ip_family = %p.family, "Canary chains or jump rules are missing (tables flushed or reloaded by someone else); doing a full sync");
                     p.proxier.force_full_sync();
                     p.pending = true;
@@ -535,6 +590,7 @@ fn sync_family(cfg: &ProxyConfig, p: &mut FamilyProxier, objects: &Objects) -> R
     match p.proxier.sync(&state) {
         Ok(report) => {
             info!(
+                mode = cfg.mode.as_str(),
                 ip_family = %p.family,
                 full = report.full,
                 services = state.service_ports.len(),
@@ -542,16 +598,16 @@ fn sync_family(cfg: &ProxyConfig, p: &mut FamilyProxier, objects: &Objects) -> R
                 deleted_chains = report.deleted_chains,
                 bytes = report.restore_bytes,
                 elapsed_ms = report.elapsed.as_secs_f64() * 1000.0,
-                "Synced iptables rules"
+                "Synced rules"
             );
             if report.udp_endpoints_removed || report.full {
                 clean_conntrack(p.family, &state);
             }
             Ok((state, report))
         }
-        Err(e) => {
+        Err((e, full)) => {
             error!(ip_family = %p.family, error = %e, "Sync failed; keeping the previous rules and retrying with a full sync");
-            Err(p.proxier.last_attempt_full())
+            Err(full)
         }
     }
 }
@@ -567,6 +623,26 @@ fn clean_conntrack(family: IpFamily, state: &crate::model::ProxyState) {
         Ok(n) if n > 0 => info!(ip_family = %family, deleted = n, "Deleted stale UDP conntrack entries"),
         Ok(_) => debug!(ip_family = %family, "No stale UDP conntrack entries"),
         Err(e) => warn!(ip_family = %family, error = %e, "Could not clean stale UDP conntrack entries"),
+    }
+}
+
+/// Removes the rules of the modes other than `mode` (switching modes, both ways).
+fn remove_other_modes(mode: ProxyMode) {
+    if mode != ProxyMode::Nftables {
+        for family in [IpFamily::V4, IpFamily::V6] {
+            if nftables::proxier::table_exists(family)
+                && let Err(e) = nftables::proxier::delete_table(family)
+            {
+                warn!(ip_family = %family, error = %e, "Could not remove the nftables mode's table");
+            }
+        }
+    }
+    if mode != ProxyMode::Iptables {
+        for family in families() {
+            for e in cleanup(&mut Exec::new(family)) {
+                warn!(ip_family = %family, error = %e, "Could not remove the iptables mode's rules");
+            }
+        }
     }
 }
 

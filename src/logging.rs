@@ -2,7 +2,7 @@
 //!
 //! * `text` (default, `--logging-format=text`): klog's header and structured message,
 //!   ```text
-//!   I1130 13:05:01.123456   12345 daemon.rs:123] "Synced iptables rules" ipFamily="IPv4" full=true
+//!   I1130 13:05:01.123456   12345 daemon.rs:123] "Synced rules" ipFamily="IPv4" full=true
 //!   ```
 //!   severity letter (`E` error, `W` warning, `I` everything else, as klog prints `V(n)` lines),
 //!   month and day, time with microseconds (UTC), the process id padded to 7, the source file's
@@ -10,7 +10,7 @@
 //!   strings quoted (multi-line ones in klog's `key=<` … ` >` block), numbers and booleans bare.
 //! * `json` (`--logging-format=json`): component-base's zap encoder,
 //!   ```text
-//!   {"ts":1701349501123.456,"caller":"src/daemon.rs:123","msg":"Synced iptables rules","v":0,"ipFamily":"IPv4","full":true}
+//!   {"ts":1701349501123.456,"caller":"src/daemon.rs:123","msg":"Synced rules","v":0,"ipFamily":"IPv4","full":true}
 //!   ```
 //!   `ts` is milliseconds since the Unix epoch as a float (zap's `epochMillisTimeEncoder`, as
 //!   upstream), `caller` is the last two path components and the line (zap's short caller), `v`
@@ -564,21 +564,13 @@ mod tests {
     #[test]
     fn klog_text_line() {
         let out = capture(text(0), || {
-            tracing::info!(
-                ip_family = "IPv4",
-                full = true,
-                deleted_chains = 3u64,
-                "Synced iptables rules"
-            );
+            tracing::info!(ip_family = "IPv4", full = true, deleted_chains = 3u64, "Synced rules");
         });
         let rest = strip_header(&out, 'I');
         let (caller, body) = rest.split_once("] ").unwrap();
         assert!(caller.starts_with("logging.rs:"), "{out}");
         assert!(caller["logging.rs:".len()..].parse::<u32>().is_ok(), "{out}");
-        assert_eq!(
-            body,
-            "\"Synced iptables rules\" ipFamily=\"IPv4\" full=true deletedChains=3\n"
-        );
+        assert_eq!(body, "\"Synced rules\" ipFamily=\"IPv4\" full=true deletedChains=3\n");
     }
 
     #[test]
@@ -634,19 +626,14 @@ mod tests {
             ..LoggingConfig::default()
         };
         let out = capture(cfg, || {
-            tracing::info!(
-                ip_family = "IPv4",
-                full = true,
-                elapsed_ms = 1.5,
-                "Synced iptables rules"
-            );
+            tracing::info!(ip_family = "IPv4", full = true, elapsed_ms = 1.5, "Synced rules");
             tracing::debug!(n = -3i64, "Detail");
             tracing::error!(error = "boom", "Failed");
         });
         let lines: Vec<serde_json::Value> = out.lines().map(|l| serde_json::from_str(l).expect(l)).collect();
         assert_eq!(lines.len(), 3, "{out}");
         let first = &lines[0];
-        assert_eq!(first["msg"], "Synced iptables rules");
+        assert_eq!(first["msg"], "Synced rules");
         assert!(
             first["caller"].as_str().unwrap().starts_with("src/logging.rs:"),
             "{out}"

@@ -745,7 +745,9 @@ fn daemon(cfg: ProxyConfig, flags: DaemonFlags) -> anyhow::Result<ExitCode> {
         info!(warnings = warnings.len(), "Initialization done (--init-only)");
         return Ok(ExitCode::SUCCESS);
     }
-    require_iptables(&cfg)?;
+    if cfg.mode == ProxyMode::Ipvs {
+        bail!("proxy mode \"ipvs\" is not supported by this build yet; use iptables or nftables");
+    }
     let source = match flags.manifests {
         Some(dir) => {
             if !dir.is_dir() {
@@ -799,13 +801,31 @@ fn require_iptables(cfg: &ProxyConfig) -> anyhow::Result<()> {
 }
 
 fn render(cfg: &ProxyConfig, args: RenderArgs) -> anyhow::Result<ExitCode> {
-    require_iptables(cfg)?;
     let objects = load(&args.paths)?;
     let families = match args.ip_family {
         Some(FamilyArg::V4) => vec![IpFamily::V4],
         Some(FamilyArg::V6) => vec![IpFamily::V6],
         None => app::families_in_use(&objects, &app::node_info(&objects, cfg)),
     };
+    if cfg.mode == ProxyMode::Nftables {
+        // The transaction a full sync sends to `nft -f -`, per family.
+        let node = app::node_info(&objects, cfg);
+        let mut reported: std::collections::HashSet<String> = std::collections::HashSet::new();
+        for (i, family) in families.iter().enumerate() {
+            let state = kube_proxy::model::build_state(&objects, &node, *family);
+            for w in state.warnings.iter().filter(|w| reported.insert((*w).clone())) {
+                eprintln!("warning: {w}");
+            }
+            let opts = kube_proxy::iptables::RenderOptions::from_config(cfg, *family, &state);
+            if i > 0 {
+                println!();
+            }
+            println!("# nft -f - input ({family})");
+            print!("{}", kube_proxy::nftables::render(&state, &opts));
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    require_iptables(cfg)?;
     let rendered = app::render_iptables(&objects, cfg, &families);
     let mut out = String::new();
     // A Service-level problem is found once per family; report it once.

@@ -10,7 +10,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use kube_proxy::iptables::names;
 use kube_proxy::lab::netns::ChildGuard;
 use kube_proxy::lab::probe::{ProbeArgs, ProbeReport};
 use kube_proxy::lab::scenario::{Ep, ServiceSpec, manifests};
@@ -62,18 +61,41 @@ struct Cluster {
     bed: Testbed,
     dir: ManifestDir,
     daemon: Option<ChildGuard>,
+    mode: &'static str,
 }
 
 impl Cluster {
     fn start(tag: &str, endpoints: usize, manifests: impl Fn(&Testbed) -> String) -> Cluster {
+        Cluster::start_in("iptables", tag, endpoints, manifests)
+    }
+
+    /// A bed with the daemon running in proxy mode `mode`.
+    fn start_in(mode: &'static str, tag: &str, endpoints: usize, manifests: impl Fn(&Testbed) -> String) -> Cluster {
         let mut spec = TestbedSpec::new(format!("kpe-{tag}"), BIN);
         spec.endpoints = endpoints;
         let bed = Testbed::build(&spec).expect("test bed builds (root and iproute2 needed)");
-        let dir = ManifestDir::new(tag);
+        let dir = ManifestDir::new(&format!("{mode}-{tag}"));
         dir.write(&manifests(&bed));
-        let mut c = Cluster { bed, dir, daemon: None };
+        let mut c = Cluster {
+            bed,
+            dir,
+            daemon: None,
+            mode,
+        };
         c.start_daemon();
         c
+    }
+
+    /// Everything the kernel has: the iptables tables (iptables mode) or the nft ruleset.
+    fn rules(&self) -> String {
+        if self.mode == "nftables" {
+            self.bed
+                .node
+                .exec_ok("nft", ["list", "ruleset"])
+                .expect("nft list ruleset")
+        } else {
+            format!("{}{}", self.nat(), self.filter())
+        }
     }
 
     fn start_daemon(&mut self) {
@@ -82,6 +104,7 @@ impl Cluster {
             "--cluster-cidr=10.244.0.0/16",
             "--iptables-min-sync-period=0s",
             &format!("--iptables-sync-period={SYNC_PERIOD_S}s"),
+            &format!("--proxy-mode={}", self.mode),
             "--manifests",
             &self.dir.0.display().to_string(),
         ]
@@ -90,7 +113,7 @@ impl Cluster {
         .collect();
         let daemon = self.bed.spawn_in_node(Path::new(BIN), &args).expect("daemon starts");
         daemon
-            .wait_for_log("Synced iptables rules", Duration::from_secs(20))
+            .wait_for_log("Synced rules", Duration::from_secs(20))
             .expect("first sync");
         self.daemon = Some(daemon);
     }
@@ -137,14 +160,9 @@ fn wait_until(timeout: Duration, what: &str, mut check: impl FnMut() -> bool) ->
     }
 }
 
-fn sep_chain(ep: &SocketAddr) -> String {
-    names::endpoint_chain("default/web:p", "tcp", &ep.to_string())
-}
-
-#[test]
-fn cluster_ip_spreads_300_connections_evenly() {
+fn cluster_ip_spreads_300_connections_evenly(mode: &'static str) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let c = Cluster::start("dist", 3, |b| {
+    let c = Cluster::start_in(mode, "dist", 3, |b| {
         web(&b.endpoints().iter().map(|e| local(e.ip)).collect::<Vec<_>>())
     });
     let report = c.probe_client(&ProbeArgs::tcp(cip(80)).with_count(300));
@@ -171,19 +189,17 @@ fn cluster_ip_spreads_300_connections_evenly() {
     );
 }
 
-#[test]
-fn scaling_to_four_endpoints_goes_live() {
+fn scaling_to_four_endpoints_goes_live(mode: &'static str) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let mut c = Cluster::start("scale", 3, |b| {
+    let mut c = Cluster::start_in(mode, "scale", 3, |b| {
         web(&b.endpoints().iter().map(|e| local(e.ip)).collect::<Vec<_>>())
     });
     let new = c.bed.add_endpoint().expect("fourth endpoint").server_addr();
     let all: Vec<Ep> = c.bed.endpoints().iter().map(|e| local(e.ip)).collect();
-    let chain = sep_chain(&new);
     let changed = Instant::now();
     c.dir.write(&web(&all));
-    wait_until(Duration::from_secs(10), "the new KUBE-SEP chain", || {
-        c.nat().contains(&format!("-A {chain} "))
+    wait_until(Duration::from_secs(10), "the new endpoint's DNAT", || {
+        c.rules().contains(&new.to_string())
     });
     println!("file change → new endpoint's rules live: {:?}", changed.elapsed());
     let report = c.probe_client(&ProbeArgs::tcp(cip(80)).with_count(100));
@@ -195,13 +211,14 @@ fn scaling_to_four_endpoints_goes_live() {
     );
 }
 
-#[test]
-fn zero_endpoints_are_refused_at_once_and_one_brings_traffic_back() {
+fn zero_endpoints_are_refused_at_once_and_one_brings_traffic_back(mode: &'static str) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let c = Cluster::start("zero", 1, |b| web(&[local(b.endpoint(0).ip)]));
+    let c = Cluster::start_in(mode, "zero", 1, |b| web(&[local(b.endpoint(0).ip)]));
     c.dir.write(&web(&[]));
-    wait_until(Duration::from_secs(10), "the REJECT rule", || {
-        c.filter().contains("default/web:p has no endpoints")
+    wait_until(Duration::from_secs(10), "the REJECT", || {
+        c.probe_client(&ProbeArgs::tcp(cip(80)).with_count(1).with_timeout_ms(500))
+            .errors()
+            .contains_key("refused")
     });
     let report = c.probe_client(&ProbeArgs::tcp(cip(80)).with_count(5).with_timeout_ms(2000));
     for a in &report.attempts {
@@ -218,10 +235,9 @@ fn zero_endpoints_are_refused_at_once_and_one_brings_traffic_back() {
     });
 }
 
-#[test]
-fn node_port_from_outside_and_external_traffic_policy_local() {
+fn node_port_from_outside_and_external_traffic_policy_local(mode: &'static str) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let c = Cluster::start("np", 2, |b| {
+    let c = Cluster::start_in(mode, "np", 2, |b| {
         let ep = b.endpoint(0).ip;
         let remote = b.endpoint(1).ip;
         let here = [local(ep)];
@@ -280,10 +296,9 @@ fn node_port_from_outside_and_external_traffic_policy_local() {
     assert_eq!(r.errors(), BTreeMap::from([("timeout".to_string(), 2)]), "dropped");
 }
 
-#[test]
-fn session_affinity_keeps_a_client_on_one_endpoint() {
+fn session_affinity_keeps_a_client_on_one_endpoint(mode: &'static str) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let c = Cluster::start("affinity", 3, |b| {
+    let c = Cluster::start_in(mode, "affinity", 3, |b| {
         let eps: Vec<Ep> = b.endpoints().iter().map(|e| local(e.ip)).collect();
         let mut svc = ServiceSpec::new("web", CLUSTER_IP, &eps);
         svc.spec_extra = "  sessionAffinity: ClientIP\n";
@@ -294,10 +309,9 @@ fn session_affinity_keeps_a_client_on_one_endpoint() {
     assert_eq!(report.names().len(), 1, "one endpoint for all 50: {:?}", report.names());
 }
 
-#[test]
-fn load_balancer_source_ranges_allow_one_source_and_drop_another() {
+fn load_balancer_source_ranges_allow_one_source_and_drop_another(mode: &'static str) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let c = Cluster::start("lbsr", 1, |b| {
+    let c = Cluster::start_in(mode, "lbsr", 1, |b| {
         let eps = [local(b.endpoint(0).ip)];
         let mut svc = ServiceSpec::new("web", CLUSTER_IP, &eps);
         svc.node_port = Some(NODE_PORT);
@@ -326,10 +340,9 @@ fn load_balancer_source_ranges_allow_one_source_and_drop_another() {
     );
 }
 
-#[test]
-fn hairpin_an_endpoint_reaches_its_own_service() {
+fn hairpin_an_endpoint_reaches_its_own_service(mode: &'static str) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let c = Cluster::start("hairpin", 3, |b| {
+    let c = Cluster::start_in(mode, "hairpin", 3, |b| {
         web(&b.endpoints().iter().map(|e| local(e.ip)).collect::<Vec<_>>())
     });
     let me = c.bed.endpoint(0);
@@ -353,15 +366,14 @@ fn hairpin_an_endpoint_reaches_its_own_service() {
     }
 }
 
-#[test]
-fn udp_client_moves_to_a_live_endpoint_within_a_second() {
+fn udp_client_moves_to_a_live_endpoint_within_a_second(mode: &'static str) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let udp_service = |eps: &[Ep]| {
         let mut svc = ServiceSpec::new("dns", CLUSTER_IP, eps);
         svc.protocol = "UDP";
         manifests(&[svc])
     };
-    let mut c = Cluster::start("udp", 2, |b| udp_service(&[local(b.endpoint(0).ip)]));
+    let mut c = Cluster::start_in(mode, "udp", 2, |b| udp_service(&[local(b.endpoint(0).ip)]));
     let args = ProbeArgs::udp(cip(80))
         .with_count(80)
         .with_interval_ms(50)
@@ -533,4 +545,54 @@ fn cleanup_removes_everything_we_own() {
         .exec_ok("iptables-save", ["-t", "mangle"])
         .expect("iptables-save");
     assert!(!mangle.contains("KUBE-PROXY-CANARY"), "{mangle}");
+}
+
+/// The tests that hold in every proxy mode, run once per mode.
+macro_rules! in_every_mode {
+    ($($test:ident),* $(,)?) => {
+        mod iptables_mode {
+            $( #[test] fn $test() { super::$test("iptables") } )*
+        }
+        mod nftables_mode {
+            $( #[test] fn $test() { super::$test("nftables") } )*
+        }
+    };
+}
+
+in_every_mode!(
+    cluster_ip_spreads_300_connections_evenly,
+    scaling_to_four_endpoints_goes_live,
+    zero_endpoints_are_refused_at_once_and_one_brings_traffic_back,
+    node_port_from_outside_and_external_traffic_policy_local,
+    session_affinity_keeps_a_client_on_one_endpoint,
+    load_balancer_source_ranges_allow_one_source_and_drop_another,
+    hairpin_an_endpoint_reaches_its_own_service,
+    udp_client_moves_to_a_live_endpoint_within_a_second,
+);
+
+#[test]
+fn switching_modes_removes_the_other_modes_rules_both_ways() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut c = Cluster::start("switch", 1, |b| web(&[local(b.endpoint(0).ip)]));
+    assert!(c.nat().contains("KUBE-SERVICES"));
+    drop(c.daemon.take());
+    c.mode = "nftables";
+    c.start_daemon();
+    let nat = c.nat();
+    assert!(!nat.contains("KUBE-"), "iptables mode's rules are gone:\n{nat}");
+    assert!(c.rules().contains("table ip kube-proxy"), "nftables table is there");
+    assert!(c.probe_client(&ProbeArgs::tcp(cip(80)).with_count(3)).all_ok());
+    drop(c.daemon.take());
+    c.mode = "iptables";
+    c.start_daemon();
+    let ruleset = c
+        .bed
+        .node
+        .exec_ok("nft", ["list", "ruleset"])
+        .expect("nft list ruleset");
+    assert!(
+        !ruleset.contains("table ip kube-proxy"),
+        "nftables mode's table is gone:\n{ruleset}"
+    );
+    assert!(c.probe_client(&ProbeArgs::tcp(cip(80)).with_count(3)).all_ok());
 }

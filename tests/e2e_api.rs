@@ -130,7 +130,7 @@ impl Cluster {
         .collect();
         let daemon = bed.spawn_in_node(Path::new(BIN), &args).expect("daemon starts");
         daemon
-            .wait_for_log("Synced iptables rules", Duration::from_secs(30))
+            .wait_for_log("Synced rules", Duration::from_secs(30))
             .expect("first sync");
         Cluster {
             bed,

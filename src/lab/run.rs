@@ -188,7 +188,7 @@ fn run(binary: &Path, dir: &Path, connections: u32, out: &mut impl Write) -> Res
     let t = Instant::now();
     let daemon: ChildGuard = bed.spawn_in_node(binary, &args)?;
     daemon
-        .wait_for_log("Synced iptables rules", Duration::from_secs(30))
+        .wait_for_log("Synced rules", Duration::from_secs(30))
         .context("the daemon's first sync")?;
     writeln!(
         out,

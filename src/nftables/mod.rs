@@ -4,6 +4,7 @@
 //! `filter-output-pre-dnat`, `cluster-ips-check` and ServiceCIDR support).
 
 pub mod names;
+pub mod proxier;
 pub mod render;
 
 pub use render::{render, render_transaction};
