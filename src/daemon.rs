@@ -82,7 +82,7 @@ pub fn families() -> Vec<IpFamily> {
 
 /// The dataplane of one family.
 enum Dataplane {
-    Iptables(Proxier<Exec>),
+    Iptables(Box<Proxier<Exec>>),
     Nftables(NftProxier),
 }
 
@@ -90,7 +90,7 @@ impl Dataplane {
     fn new(cfg: &ProxyConfig, family: IpFamily, opts: RenderOptions) -> Dataplane {
         match cfg.mode {
             ProxyMode::Nftables => Dataplane::Nftables(NftProxier::new(family, opts)),
-            _ => Dataplane::Iptables(Proxier::new(Exec::new(family), opts)),
+            _ => Dataplane::Iptables(Box::new(Proxier::new(Exec::new(family), opts))),
         }
     }
 
