@@ -5,10 +5,15 @@ use std::process::Command;
 
 #[test]
 fn lab_reports_every_step_and_cleans_up() {
-    let out = Command::new(env!("CARGO_BIN_EXE_kube-proxy"))
+    let child = Command::new(env!("CARGO_BIN_EXE_kube-proxy"))
         .args(["lab", "--connections", "90"])
-        .output()
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
         .expect("lab runs");
+    // Namespaces are named after the lab's pid (other tests may run labs at the same time).
+    let pid = child.id();
+    let out = child.wait_with_output().expect("lab finishes");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "lab failed: {stderr}\n{stdout}");
@@ -34,8 +39,28 @@ fn lab_reports_every_step_and_cleans_up() {
         .expect("ip netns list");
     let leftover: Vec<String> = String::from_utf8_lossy(&listed.stdout)
         .lines()
-        .filter(|l| l.starts_with("kplab-"))
+        .filter(|l| l.starts_with(&format!("kplab-{pid}-")))
         .map(str::to_string)
         .collect();
     assert!(leftover.is_empty(), "namespaces left behind: {leftover:?}");
+}
+
+#[test]
+fn lab_runs_in_nftables_mode() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kube-proxy"))
+        .args(["lab", "--proxy-mode=nftables", "--connections", "60"])
+        .output()
+        .expect("lab runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "lab failed: {}\n{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for needle in [
+        "nftables mode", "numgen random mod 3 vmap", "dnat to 10.244.4.2:8080", "goto reject-chain", "refused after",
+        "Done:",
+    ] {
+        assert!(stdout.contains(needle), "report lacks {needle:?}:\n{stdout}");
+    }
 }

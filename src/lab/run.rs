@@ -31,7 +31,7 @@ pub fn main(binary: PathBuf, mode: ProxyMode, connections: u32) -> Result<()> {
     let (done_tx, done_rx) = tokio::sync::oneshot::channel();
     let worker_dir = dir.clone();
     let worker = std::thread::spawn(move || {
-        let result = run(&binary, &worker_dir, connections, &mut std::io::stdout());
+        let result = run(&binary, mode, &worker_dir, connections, &mut std::io::stdout());
         let _ = done_tx.send(result);
     });
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -63,11 +63,8 @@ pub fn main(binary: PathBuf, mode: ProxyMode, connections: u32) -> Result<()> {
 
 /// Everything the lab needs, with a message that says how to get it.
 fn preflight(mode: ProxyMode) -> Result<()> {
-    if mode != ProxyMode::Iptables {
-        bail!(
-            "the lab supports --proxy-mode=iptables in this build; {} is not available yet",
-            mode.as_str()
-        );
+    if mode == ProxyMode::Ipvs {
+        bail!("the lab supports --proxy-mode=iptables and nftables in this build; ipvs is not available yet");
     }
     if !nix::unistd::geteuid().is_root() {
         bail!("the lab creates network namespaces and must run as root (e.g. sudo kube-proxy lab)");
@@ -146,11 +143,12 @@ fn ms(d: Duration) -> String {
     format!("{:.0} ms", d.as_secs_f64() * 1000.0)
 }
 
-fn run(binary: &Path, dir: &Path, connections: u32, out: &mut impl Write) -> Result<()> {
+fn run(binary: &Path, mode: ProxyMode, dir: &Path, connections: u32, out: &mut impl Write) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     writeln!(
         out,
-        "kube-proxy lab: iptables mode, everything in network namespaces named {PREFIX}-{}-*\n",
+        "kube-proxy lab: {} mode, everything in network namespaces named {PREFIX}-{}-*\n",
+        mode.as_str(),
         std::process::id()
     )?;
 
@@ -179,6 +177,7 @@ fn run(binary: &Path, dir: &Path, connections: u32, out: &mut impl Write) -> Res
         "--cluster-cidr=10.244.0.0/16",
         "--iptables-min-sync-period=0s",
         "--iptables-sync-period=5s",
+        &format!("--proxy-mode={}", mode.as_str()),
         "--manifests",
         &dir.display().to_string(),
     ]
@@ -200,11 +199,17 @@ fn run(binary: &Path, dir: &Path, connections: u32, out: &mut impl Write) -> Res
     let cip: SocketAddr = format!("{CLUSTER_IP}:80").parse()?;
     let chains = names::service_port_chains(SERVICE, "tcp");
 
+    let nft = mode == ProxyMode::Nftables;
+    let source = if nft {
+        "nft list table ip kube-proxy"
+    } else {
+        "iptables-save -t nat"
+    };
     writeln!(
         out,
-        "1. The chains of Service {SERVICE} (ClusterIP {CLUSTER_IP}:80, NodePort {NODE_PORT}), from iptables-save -t nat"
+        "1. The chains of Service {SERVICE} (ClusterIP {CLUSTER_IP}:80, NodePort {NODE_PORT}), from {source}"
     )?;
-    print_chains(out, &bed_nat(&bed)?, &chains.cluster)?;
+    show_service(out, &bed, nft, &chains.cluster)?;
 
     writeln!(
         out,
@@ -220,17 +225,22 @@ fn run(binary: &Path, dir: &Path, connections: u32, out: &mut impl Write) -> Res
     let changed = Instant::now();
     write_manifests(dir, &web(&eps(&bed)))?;
     let live = poll(Duration::from_secs(10), || {
-        bed_nat(&bed).is_ok_and(|n| n.contains(&format!("-A {sep} ")))
+        rules(&bed, nft).is_ok_and(|n| n.contains(&new_addr.to_string()))
     });
+    let what = if nft {
+        format!("endpoint chain (dnat to {new_addr})")
+    } else {
+        format!("{sep} (DNAT to {new_addr})")
+    };
     match live {
         Some(_) => writeln!(
             out,
-            "   manifest changed -> {sep} (DNAT to {new_addr}) live after {}",
+            "   manifest changed -> {what} live after {}",
             ms(changed.elapsed())
         )?,
         None => writeln!(out, "   the new endpoint's chain did not appear within 10 s")?,
     }
-    print_chains(out, &bed_nat(&bed)?, &chains.cluster)?;
+    show_service(out, &bed, nft, &chains.cluster)?;
     let report = bed.probe(&bed.client, &ProbeArgs::tcp(cip).with_count(100))?;
     writeln!(out, "   100 new connections: {}", summary(&report))?;
     if !report.names().contains_key(&new_name) {
@@ -239,11 +249,20 @@ fn run(binary: &Path, dir: &Path, connections: u32, out: &mut impl Write) -> Res
 
     writeln!(out, "\n4. Scale to 0 endpoints")?;
     write_manifests(dir, &web(&[]))?;
-    let reject = format!("{SERVICE} has no endpoints");
-    let filter = || bed.node.exec_ok("iptables-save", ["-t", "filter"]).unwrap_or_default();
-    if poll(Duration::from_secs(10), || filter().contains(&reject)).is_some() {
-        for l in filter().lines().filter(|l| l.contains(&reject)) {
-            writeln!(out, "   filter: {l}")?;
+    if nft {
+        let has_reject = || rules(&bed, true).unwrap_or_default().contains("goto reject-chain");
+        if poll(Duration::from_secs(10), has_reject).is_some() {
+            for l in rules(&bed, true)?.lines().filter(|l| l.contains("reject")) {
+                writeln!(out, "   nft: {}", l.trim())?;
+            }
+        }
+    } else {
+        let reject = format!("{SERVICE} has no endpoints");
+        let filter = || bed.node.exec_ok("iptables-save", ["-t", "filter"]).unwrap_or_default();
+        if poll(Duration::from_secs(10), || filter().contains(&reject)).is_some() {
+            for l in filter().lines().filter(|l| l.contains(&reject)) {
+                writeln!(out, "   filter: {l}")?;
+            }
         }
     }
     let report = bed.probe(&bed.client, &ProbeArgs::tcp(cip).with_count(3).with_timeout_ms(2000))?;
@@ -259,14 +278,18 @@ fn run(binary: &Path, dir: &Path, connections: u32, out: &mut impl Write) -> Res
     writeln!(out, "\n5. The NodePort from the outside host")?;
     write_manifests(dir, &web(&eps(&bed)))?;
     poll(Duration::from_secs(10), || {
-        bed_nat(&bed).is_ok_and(|n| n.contains(&format!("-A {} ", chains.cluster)))
+        rules(&bed, nft).is_ok_and(|n| n.contains(&bed.endpoint(0).server_addr().to_string()))
     });
-    let n = bed_nat(&bed)?;
-    for l in n
-        .lines()
-        .filter(|l| l.starts_with("-A KUBE-NODEPORTS") || l.starts_with(&format!("-A {} ", chains.external)))
-    {
-        writeln!(out, "   {l}")?;
+    let n = rules(&bed, nft)?;
+    let external = if nft {
+        "external-".to_string()
+    } else {
+        format!("-A {} ", chains.external)
+    };
+    for l in n.lines().filter(|l| {
+        l.starts_with("-A KUBE-NODEPORTS") || l.contains(&external) || (nft && l.contains(&NODE_PORT.to_string()))
+    }) {
+        writeln!(out, "   {}", l.trim())?;
     }
     let outside = bed.outside_ips()[0];
     let np = SocketAddr::new(bed.node_ip(), NODE_PORT);
@@ -298,6 +321,33 @@ fn run(binary: &Path, dir: &Path, connections: u32, out: &mut impl Write) -> Res
     drop(daemon);
     drop(bed);
     writeln!(out, "\nDone: the namespaces and processes of the lab are removed.")?;
+    Ok(())
+}
+
+/// The rules of the mode in use: `nft list table ip kube-proxy` or `iptables-save -t nat`.
+fn rules(bed: &Testbed, nft: bool) -> Result<String> {
+    if nft {
+        bed.node.exec_ok("nft", ["list", "table", "ip", "kube-proxy"])
+    } else {
+        bed_nat(bed)
+    }
+}
+
+/// The Service's entry, its endpoint choice and the DNAT of each endpoint.
+fn show_service(out: &mut impl Write, bed: &Testbed, nft: bool, svc_chain: &str) -> Result<()> {
+    if !nft {
+        return print_chains(out, &bed_nat(bed)?, svc_chain);
+    }
+    let listing = rules(bed, true)?;
+    for l in listing.lines().map(str::trim) {
+        if l.contains(CLUSTER_IP) && l.contains("goto")
+            || l.contains("numgen")
+            || l.contains("dnat to")
+            || (l.starts_with("chain service-") || l.starts_with("chain endpoint-")) && l.contains('/')
+        {
+            writeln!(out, "   {l}")?;
+        }
+    }
     Ok(())
 }
 
