@@ -65,7 +65,7 @@ pub fn render_iptables(objects: &Objects, cfg: &ProxyConfig, families: &[IpFamil
         .iter()
         .map(|&family| {
             let state = build_state(objects, &node, family);
-            let options = RenderOptions::from_config(cfg, family, &state);
+            let options = RenderOptions::from_config(cfg, family, &state.node);
             let ruleset = iptables::render(&state, &options);
             FamilyRules {
                 state,

@@ -552,9 +552,7 @@ fn changes(old: Option<&Objects>, new: &Objects) -> Changes {
 }
 
 fn options(cfg: &ProxyConfig, family: IpFamily, objects: &Objects) -> RenderOptions {
-    let node = app::node_info(objects, cfg);
-    let state = build_state(&Objects::default(), &node, family);
-    let mut opts = RenderOptions::from_config(cfg, family, &state);
+    let mut opts = RenderOptions::from_config(cfg, family, &app::node_info(objects, cfg));
     opts.tcp_be_liberal = read_sysctl("net/netfilter/nf_conntrack_tcp_be_liberal").is_some_and(|v| v != "0");
     opts
 }

@@ -816,7 +816,7 @@ fn render(cfg: &ProxyConfig, args: RenderArgs) -> anyhow::Result<ExitCode> {
             for w in state.warnings.iter().filter(|w| reported.insert((*w).clone())) {
                 eprintln!("warning: {w}");
             }
-            let opts = kube_proxy::iptables::RenderOptions::from_config(cfg, *family, &state);
+            let opts = kube_proxy::iptables::RenderOptions::from_config(cfg, *family, &node);
             if i > 0 {
                 println!();
             }

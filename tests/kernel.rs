@@ -5,66 +5,25 @@
 
 mod common;
 
-use std::io::Write;
-use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use common::*;
+use kube_proxy::lab::netns::Netns;
 
-/// A named network namespace that is deleted on drop, also when the test fails.
-struct Netns {
-    name: String,
+/// A throw-away network namespace (deleted on drop, also when the test fails).
+fn netns() -> Netns {
+    static COUNTER: AtomicUsize = AtomicUsize::new(0);
+    let name = format!(
+        "kp-kernel-{}-{}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::SeqCst)
+    );
+    Netns::create(&name).expect("ip netns add (tests need root and iproute2)")
 }
 
-impl Netns {
-    fn new() -> Netns {
-        static COUNTER: AtomicUsize = AtomicUsize::new(0);
-        let name = format!(
-            "kp-kernel-{}-{}",
-            std::process::id(),
-            COUNTER.fetch_add(1, Ordering::SeqCst)
-        );
-        let st = Command::new("ip")
-            .args(["netns", "add", &name])
-            .status()
-            .expect("ip runs");
-        assert!(
-            st.success(),
-            "ip netns add {name} failed (tests need root and iproute2)"
-        );
-        Netns { name }
-    }
-
-    /// Runs `cmd args` inside the namespace with `stdin`, returning (success, stdout+stderr).
-    fn run(&self, cmd: &str, args: &[&str], stdin: &str) -> (bool, String) {
-        let mut child = Command::new("ip")
-            .args(["netns", "exec", &self.name, cmd])
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("ip netns exec runs");
-        child
-            .stdin
-            .take()
-            .expect("stdin")
-            .write_all(stdin.as_bytes())
-            .expect("write stdin");
-        let out = child.wait_with_output().expect("wait");
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        (out.status.success(), text)
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "delete", &self.name]).status();
-    }
+/// Runs `cmd args` inside the namespace with `stdin`, returning (success, stdout+stderr).
+fn run(ns: &Netns, cmd: &str, args: &[&str], stdin: &str) -> (bool, String) {
+    ns.exec_with_input(cmd, args, stdin).expect("ip netns exec runs")
 }
 
 fn jump_commands(rendered: &str, ipv6: bool) -> Vec<Vec<String>> {
@@ -113,26 +72,26 @@ fn check_accepted(label: &str, rendered: &str) {
         } else {
             ("iptables-restore", "iptables-save", "iptables")
         };
-        let ns = Netns::new();
-        let (ok, out) = ns.run(restore_cmd, &["--test", "--noflush", "--counters"], &restore);
+        let ns = netns();
+        let (ok, out) = run(&ns, restore_cmd, &["--test", "--noflush", "--counters"], &restore);
         assert!(
             ok,
             "{label} ({restore_cmd} --test) rejected the ruleset: {out}\n{restore}"
         );
         // Apply for real: the jump rules first need their chains, as a full sync ensures them.
-        let (ok, out) = ns.run(restore_cmd, &["--noflush", "--counters"], &restore);
+        let (ok, out) = run(&ns, restore_cmd, &["--noflush", "--counters"], &restore);
         assert!(ok, "{label} ({restore_cmd}) failed: {out}");
         for mut cmd in jump_commands(rendered, ipv6) {
             let table = cmd[1].clone();
             let target = cmd.last().cloned().unwrap_or_default();
             // KUBE-FIREWALL may not be in the restore input; a full sync creates it empty.
-            let _ = ns.run(iptables, &["-t", &table, "-N", &target], "");
+            let _ = run(&ns, iptables, &["-t", &table, "-N", &target], "");
             cmd.insert(0, "-w".into());
             let args: Vec<&str> = cmd.iter().map(String::as_str).collect();
-            let (ok, out) = ns.run(iptables, &args, "");
+            let (ok, out) = run(&ns, iptables, &args, "");
             assert!(ok, "{label}: {iptables} {} failed: {out}", args.join(" "));
         }
-        let (ok, saved) = ns.run(save_cmd, &[], "");
+        let (ok, saved) = run(&ns, save_cmd, &[], "");
         assert!(ok, "{label}: {save_cmd} failed: {saved}");
         for line in restore.lines().filter(|l| l.starts_with(':')) {
             let chain = line[1..].split_whitespace().next().unwrap_or("");

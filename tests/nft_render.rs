@@ -5,12 +5,12 @@
 
 mod common;
 
-use std::io::Write as _;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use kube_proxy::config::LocalDetector;
 use kube_proxy::iptables::render::RenderOptions;
+use kube_proxy::lab::netns::Netns;
 use kube_proxy::model::{IpFamily, NodeInfo, ProxyState, build_state};
 use kube_proxy::nftables::{render, render_transaction};
 
@@ -79,59 +79,20 @@ fn nft_render_is_deterministic() {
     }
 }
 
-/// A network namespace that is deleted when dropped, whatever happens in between.
-struct NetNs {
-    name: String,
+/// A throw-away network namespace (deleted on drop, whatever happens in between).
+fn netns() -> Option<Netns> {
+    static COUNTER: AtomicUsize = AtomicUsize::new(0);
+    Netns::create(&format!(
+        "kp-nft-test-{}-{}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::SeqCst)
+    ))
+    .ok()
 }
 
-impl NetNs {
-    fn new() -> Option<NetNs> {
-        static COUNTER: AtomicUsize = AtomicUsize::new(0);
-        let name = format!(
-            "kp-nft-test-{}-{}",
-            std::process::id(),
-            COUNTER.fetch_add(1, Ordering::SeqCst)
-        );
-        let ok = Command::new("ip")
-            .args(["netns", "add", &name])
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success());
-        ok.then_some(NetNs { name })
-    }
-
-    /// Runs `nft ARGS` in the namespace with `stdin` as input; returns (success, stdout+stderr).
-    fn nft(&self, args: &[&str], stdin: &str) -> (bool, String) {
-        let mut child = Command::new("ip")
-            .args(["netns", "exec", &self.name, "nft"])
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("ip netns exec runs");
-        child
-            .stdin
-            .take()
-            .expect("stdin piped")
-            .write_all(stdin.as_bytes())
-            .expect("write nft input");
-        let out = child.wait_with_output().expect("nft finishes");
-        (
-            out.status.success(),
-            format!(
-                "{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            ),
-        )
-    }
-}
-
-impl Drop for NetNs {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "delete", &self.name]).status();
-    }
+/// Runs `nft ARGS` in the namespace with `stdin` as input; returns (success, stdout+stderr).
+fn nft(ns: &Netns, args: &[&str], stdin: &str) -> (bool, String) {
+    ns.exec_with_input("nft", args, stdin).expect("ip netns exec runs")
 }
 
 fn can_use_netns() -> bool {
@@ -171,7 +132,7 @@ fn nft_kernel_accepts_every_transaction() {
     }
     for (name, family, state, opts) in cases() {
         let ctx = format!("{name} {}", family_name(family));
-        let Some(ns) = NetNs::new() else {
+        let Some(ns) = netns() else {
             panic!("{ctx}: `ip netns add` failed");
         };
         let nft_family = match family {
@@ -179,27 +140,27 @@ fn nft_kernel_accepts_every_transaction() {
             IpFamily::V6 => "ip6",
         };
         let first = render(&state, &opts);
-        let (ok, msg) = ns.nft(&["--check", "-f", "-"], &first);
+        let (ok, msg) = nft(&ns, &["--check", "-f", "-"], &first);
         assert!(
             ok,
             "{ctx}: nft --check rejected the transaction:\n{msg}\n{}",
             numbered(&first)
         );
-        let (ok, msg) = ns.nft(&["-f", "-"], &first);
+        let (ok, msg) = nft(&ns, &["-f", "-"], &first);
         assert!(ok, "{ctx}: nft -f failed:\n{msg}\n{}", numbered(&first));
-        let (ok, listing) = ns.nft(&["list", "table", nft_family, "kube-proxy"], "");
+        let (ok, listing) = nft(&ns, &["list", "table", nft_family, "kube-proxy"], "");
         assert!(ok, "{ctx}: nft list table failed:\n{listing}");
         assert!(listing.contains("chain services"), "{ctx}:\n{listing}");
         assert!(listing.contains("map service-ips"), "{ctx}:\n{listing}");
 
         // A restarted kube-proxy's first sync over the existing table, then a later full
         // sync (without the base-chain re-creation), must both apply too.
-        let (ok, msg) = ns.nft(&["-f", "-"], &first);
+        let (ok, msg) = nft(&ns, &["-f", "-"], &first);
         assert!(ok, "{ctx}: re-applying the first sync failed:\n{msg}");
         let resync = render_transaction(&state, &opts, false);
-        let (ok, msg) = ns.nft(&["-f", "-"], &resync);
+        let (ok, msg) = nft(&ns, &["-f", "-"], &resync);
         assert!(ok, "{ctx}: full resync failed:\n{msg}\n{}", numbered(&resync));
-        let (ok, again) = ns.nft(&["list", "table", nft_family, "kube-proxy"], "");
+        let (ok, again) = nft(&ns, &["list", "table", nft_family, "kube-proxy"], "");
         assert!(ok, "{ctx}: nft list table failed after resync:\n{again}");
         // Re-created base chains are listed last, so compare the blocks in any order.
         assert_eq!(blocks(&listing), blocks(&again), "{ctx}: a resync changed the ruleset");

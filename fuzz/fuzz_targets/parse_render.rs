@@ -25,7 +25,7 @@ fuzz_target!(|data: &[u8]| {
     let node = NodeInfo::from_objects(&objects, "node-a", &[]);
     for family in [IpFamily::V4, IpFamily::V6] {
         let state = build_state(&objects, &node, family);
-        let rs = render(&state, &RenderOptions::from_config(&cfg, family, &state));
+        let rs = render(&state, &RenderOptions::from_config(&cfg, family, &node));
         for line in rs.restore.lines() {
             assert!(!line.contains('\r') && !line.contains('\0'), "control character in {line:?}");
             assert!(line.matches('"').count() % 2 == 0, "unbalanced quotes in {line:?}");

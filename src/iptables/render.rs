@@ -14,7 +14,7 @@ use ipnet::IpNet;
 use super::names::{self, *};
 use super::{JumpRule, Ruleset};
 use crate::config::{LocalDetector, ProxyConfig};
-use crate::model::{Endpoint, IpFamily, ProxyState, ServicePort, ServicePortState, categorize_endpoints};
+use crate::model::{Endpoint, IpFamily, NodeInfo, ProxyState, ServicePort, ServicePortState, categorize_endpoints};
 
 /// Above this many endpoints upstream drops per-endpoint comments to keep the ruleset small.
 pub const LARGE_CLUSTER_ENDPOINTS_THRESHOLD: usize = 1000;
@@ -66,12 +66,12 @@ impl Default for RenderOptions {
 impl RenderOptions {
     /// The options of one family's proxier for a configuration, as the daemon would run it on
     /// a stock node (nfacct counters absent, `tcp_be_liberal` unset, `--random-fully` supported).
-    pub fn from_config(cfg: &ProxyConfig, family: IpFamily, state: &ProxyState) -> RenderOptions {
+    pub fn from_config(cfg: &ProxyConfig, family: IpFamily, node: &NodeInfo) -> RenderOptions {
         RenderOptions {
             masquerade_all: cfg.masquerade_all,
             masquerade_bit: cfg.masquerade_bit,
             localhost_node_ports: cfg.localhost_node_ports,
-            local_detector: cfg.local_detector(family, &state.node),
+            local_detector: cfg.local_detector(family, node),
             node_port_addresses: cfg.node_port_addresses.clone(),
             prefer_same_node: cfg.feature_enabled("PreferSameTrafficDistribution"),
             nfacct: false,

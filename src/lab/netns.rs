@@ -11,7 +11,7 @@
 //! Drop.
 
 use std::ffi::OsStr;
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::IpAddr;
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::{Arc, Condvar, Mutex};
@@ -130,6 +130,34 @@ impl Netns {
         let mut cmd = Command::new("ip");
         cmd.args(["netns", "exec", &self.name]).arg(program).args(args);
         cmd
+    }
+
+    /// Runs `program args…` inside the namespace with `stdin` as its input, to completion;
+    /// returns (success, stdout followed by stderr). An error only when it cannot be run.
+    pub fn exec_with_input<P, I, S>(&self, program: P, args: I, stdin: &str) -> Result<(bool, String)>
+    where
+        P: AsRef<OsStr>,
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        let mut child = self
+            .command(program, args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("running a command in network namespace {}", self.name))?;
+        if let Some(mut pipe) = child.stdin.take() {
+            // A command that exits early closes the pipe; its status tells the story.
+            let _ = pipe.write_all(stdin.as_bytes());
+        }
+        let out = child.wait_with_output().context("waiting for the command")?;
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok((out.status.success(), text))
     }
 
     /// Runs `program args…` inside the namespace to completion and returns its output whatever
