@@ -596,3 +596,45 @@ fn switching_modes_removes_the_other_modes_rules_both_ways() {
     );
     assert!(c.probe_client(&ProbeArgs::tcp(cip(80)).with_count(3)).all_ok());
 }
+
+#[test]
+fn bind_address_hard_fail_exits_when_the_healthz_port_is_taken() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut c = Cluster::start("hardfail", 1, |b| web(&[local(b.endpoint(0).ip)]));
+    drop(c.daemon.take());
+    // Something else holds the healthz port in the node namespace.
+    let squatter = c
+        .bed
+        .spawn_in_node(
+            Path::new(BIN),
+            &[
+                "lab".into(),
+                "serve".into(),
+                "--name".into(),
+                "squatter".into(),
+                "--port".into(),
+                "10256".into(),
+            ],
+        )
+        .expect("squatter starts");
+    squatter
+        .wait_for_log("ready", Duration::from_secs(10))
+        .expect("squatter listens");
+    let dir = c.dir.0.display().to_string();
+    let out = c
+        .bed
+        .node
+        .exec(
+            BIN,
+            [
+                "--hostname-override=node-a", "--manifests", &dir, "--bind-address-hard-fail",
+            ],
+        )
+        .expect("daemon runs");
+    assert!(!out.status.success(), "the daemon must exit");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("10256") && stderr.contains("healthz"), "{stderr}");
+    // Without the flag it keeps going and serves traffic.
+    c.start_daemon();
+    assert!(c.probe_client(&ProbeArgs::tcp(cip(80)).with_count(3)).all_ok());
+}
