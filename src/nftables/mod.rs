@@ -1,10 +1,13 @@
-//! The nftables dataplane: object names and the pure renderer of the transaction a full sync
-//! sends to `nft -f -` (knftables' one-command-per-line text form), following upstream's
-//! `pkg/proxy/nftables/proxier.go` (the layout with `filter-prerouting-pre-dnat`,
-//! `filter-output-pre-dnat`, `cluster-ips-check` and ServiceCIDR support).
+//! The nftables dataplane: object names, the structured commands of a transaction (`ast`),
+//! the pure renderer of the transaction a full sync sends (following upstream's
+//! `pkg/proxy/nftables/proxier.go`, the layout with `filter-prerouting-pre-dnat`,
+//! `filter-output-pre-dnat`, `cluster-ips-check` and ServiceCIDR support), a model of the
+//! programmed table (`ruleset`) and the proxier that keeps the kernel in step.
 
+pub mod ast;
 pub mod names;
 pub mod proxier;
 pub mod render;
+pub mod ruleset;
 
 pub use render::{render, render_transaction};

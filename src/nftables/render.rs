@@ -20,14 +20,17 @@
 //! deleting stale affinity sets) depends on the kernel's state and is not rendered here.
 
 use std::collections::{HashMap, HashSet};
-use std::fmt::Write as _;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 
 use ipnet::IpNet;
 
+use super::ast::{
+    AddrSpec, BaseHook, ChainDecl, Dir, ElemKey, Element, KeyType, Match, Op, Rule, SetDecl, Statement, Transaction,
+    Verdict, VmapKey,
+};
 use super::names::*;
 use crate::config::LocalDetector;
-use crate::iptables::render::{NodePortAddresses, RenderOptions, local_addresses, masquerade_mark};
+use crate::iptables::render::{NodePortAddresses, RenderOptions, local_addresses};
 use crate::model::{Endpoint, IpFamily, ProxyState, ServicePortState, categorize_endpoints};
 
 /// One base chain: name, type, hook, numeric priority (knftables' `dstnat-10` etc.).
@@ -95,73 +98,47 @@ const BASE_CHAINS: [BaseChain; 8] = [
     },
 ];
 
-/// Upstream's `nftablesJumpChains`: (destination, source base chain, extra match).
-const JUMP_CHAINS: [(&str, &str, &str); 11] = [
+/// Upstream's `nftablesJumpChains`: (destination, source base chain, `ct state new` first).
+const JUMP_CHAINS: [(&str, &str, bool); 11] = [
     // `reject` is only valid in input/forward/output hooks on kernels before 5.9, so the
     // endpoint checks are not jumped to from prerouting.
-    (NODEPORT_ENDPOINTS_CHECK, FILTER_INPUT, "ct state new"),
-    (SERVICE_ENDPOINTS_CHECK, FILTER_INPUT, "ct state new"),
-    (SERVICE_ENDPOINTS_CHECK, FILTER_FORWARD, "ct state new"),
-    (SERVICE_ENDPOINTS_CHECK, FILTER_OUTPUT, "ct state new"),
-    (FIREWALL_CHECK, FILTER_PREROUTING_PRE_DNAT, "ct state new"),
-    (FIREWALL_CHECK, FILTER_OUTPUT_PRE_DNAT, "ct state new"),
-    (SERVICES, NAT_OUTPUT, ""),
-    (SERVICES, NAT_PREROUTING, ""),
-    (MASQUERADING, NAT_POSTROUTING, ""),
-    (CLUSTER_IPS_CHECK, FILTER_FORWARD, "ct state new"),
-    (CLUSTER_IPS_CHECK, FILTER_OUTPUT, "ct state new"),
+    (NODEPORT_ENDPOINTS_CHECK, FILTER_INPUT, true),
+    (SERVICE_ENDPOINTS_CHECK, FILTER_INPUT, true),
+    (SERVICE_ENDPOINTS_CHECK, FILTER_FORWARD, true),
+    (SERVICE_ENDPOINTS_CHECK, FILTER_OUTPUT, true),
+    (FIREWALL_CHECK, FILTER_PREROUTING_PRE_DNAT, true),
+    (FIREWALL_CHECK, FILTER_OUTPUT_PRE_DNAT, true),
+    (SERVICES, NAT_OUTPUT, false),
+    (SERVICES, NAT_PREROUTING, false),
+    (MASQUERADING, NAT_POSTROUTING, false),
+    (CLUSTER_IPS_CHECK, FILTER_FORWARD, true),
+    (CLUSTER_IPS_CHECK, FILTER_OUTPUT, true),
 ];
 
-/// A transaction being built: knftables' text form, one command per line, with upstream's
-/// de-duplication of chains (`ensureChain`) and of set/map elements (`nftElementStorage`).
+/// A transaction being built, with upstream's de-duplication of chains (`ensureChain`) and
+/// of set/map elements (`nftElementStorage`).
 struct Tx {
-    family: &'static str,
-    out: String,
+    tx: Transaction,
     created_chains: HashSet<String>,
     /// (container, key) → value of every element added so far.
-    elements: HashMap<(&'static str, String), String>,
+    elements: HashMap<(&'static str, ElemKey), Option<Verdict>>,
 }
 
 impl Tx {
     fn new(family: IpFamily) -> Tx {
         Tx {
-            family: match family {
-                IpFamily::V4 => "ip",
-                IpFamily::V6 => "ip6",
-            },
-            out: String::new(),
+            tx: Transaction::new(family),
             created_chains: HashSet::new(),
             elements: HashMap::new(),
         }
     }
 
-    fn cmd(&mut self, verb: &str, object: &str, rest: &str) {
-        // Writing to a String cannot fail.
-        let _ = writeln!(self.out, "{verb} {object} {} {TABLE}{rest}", self.family);
-    }
-
-    fn add_table(&mut self) {
-        let _ = writeln!(
-            self.out,
-            "add table {} {TABLE} {{ comment \"rules for kube-proxy\" ; }}",
-            self.family
-        );
-    }
-
     fn add_chain(&mut self, name: &str) {
-        self.cmd("add", "chain", &format!(" {name}"));
-    }
-
-    fn add_chain_with_comment(&mut self, name: &str, comment: &str) {
-        self.cmd("add", "chain", &format!(" {name} {{ comment \"{comment}\" ; }}"));
+        self.tx.push(Op::AddChain(ChainDecl::regular(name)));
     }
 
     fn flush_chain(&mut self, name: &str) {
-        self.cmd("flush", "chain", &format!(" {name}"));
-    }
-
-    fn delete_chain(&mut self, name: &str) {
-        self.cmd("delete", "chain", &format!(" {name}"));
+        self.tx.push(Op::FlushChain(name.to_string()));
     }
 
     /// Upstream's `ensureChain`: add and flush a chain once per transaction.
@@ -172,45 +149,48 @@ impl Tx {
         }
     }
 
-    fn add_rule(&mut self, chain: &str, rule: &str) {
-        self.cmd("add", "rule", &format!(" {chain} {rule}"));
+    fn add_rule(&mut self, chain: &str, rule: Rule) {
+        self.tx.push(Op::AddRule {
+            chain: chain.to_string(),
+            rule,
+        });
     }
 
-    fn add_rule_with_comment(&mut self, chain: &str, rule: &str, comment: &str) {
-        self.cmd("add", "rule", &format!(" {chain} {rule} comment \"{comment}\""));
-    }
-
-    fn add_set(&mut self, name: &str, spec: &str) {
-        self.cmd("add", "set", &format!(" {name} {{ {spec} ; }}"));
-    }
-
-    fn add_map(&mut self, name: &str, spec: &str) {
-        self.cmd("add", "map", &format!(" {name} {{ {spec} ; }}"));
-    }
-
-    fn flush_container(&mut self, kind: &str, name: &str) {
-        self.cmd("flush", kind, &format!(" {name}"));
+    fn add_set(&mut self, name: &str, key: KeyType, map: bool, comment: Option<&str>) {
+        self.tx.push(Op::AddSet(SetDecl {
+            name: name.to_string(),
+            key,
+            map,
+            timeout_seconds: None,
+            comment: comment.map(str::to_string),
+        }));
     }
 
     /// Upstream's `nftElementStorage.ensureElem`: an element already present with the same
     /// value is not added again; one with another value is deleted and re-added.
-    fn ensure_element(&mut self, container: &'static str, key: &str, value: Option<&str>, comment: Option<&str>) {
-        let value_s = value.unwrap_or("").to_string();
-        let comment = comment.map(|c| format!(" comment \"{c}\"")).unwrap_or_default();
-        let body = match value {
-            Some(v) => format!(" {container} {{ {key}{comment} : {v} }}"),
-            None => format!(" {container} {{ {key}{comment} }}"),
+    fn ensure_element(&mut self, container: &'static str, key: ElemKey, value: Option<Verdict>, comment: Option<&str>) {
+        let element = Element {
+            key: key.clone(),
+            value: value.clone(),
+            comment: comment.map(str::to_string),
         };
-        match self.elements.get(&(container, key.to_string())) {
-            Some(existing) if *existing == value_s => {}
+        let add = Op::AddElement {
+            set: container.to_string(),
+            element,
+        };
+        match self.elements.get(&(container, key.clone())) {
+            Some(existing) if *existing == value => {}
             Some(_) => {
-                self.cmd("delete", "element", &format!(" {container} {{ {key} }}"));
-                self.cmd("add", "element", &body);
-                self.elements.insert((container, key.to_string()), value_s);
+                self.tx.push(Op::DeleteElement {
+                    set: container.to_string(),
+                    key: key.clone(),
+                });
+                self.tx.push(add);
+                self.elements.insert((container, key), value);
             }
             None => {
-                self.cmd("add", "element", &body);
-                self.elements.insert((container, key.to_string()), value_s);
+                self.tx.push(add);
+                self.elements.insert((container, key), value);
             }
         }
     }
@@ -218,7 +198,16 @@ impl Tx {
 
 /// The local-traffic detector's nftables matches (upstream's `IfLocalNFT` / `IfNotLocalNFT`).
 /// A CIDR of the other family (or an unparseable one) means no detector for this family.
-fn detector_matches(detector: &LocalDetector, family: IpFamily, ip_x: &str) -> Option<(String, String)> {
+fn detector_matches(detector: &LocalDetector, family: IpFamily) -> Option<(Match, Match)> {
+    let iifname = |pattern: String| {
+        (
+            Match::Iifname {
+                negate: false,
+                pattern: pattern.clone(),
+            },
+            Match::Iifname { negate: true, pattern },
+        )
+    };
     match detector {
         LocalDetector::None => None,
         LocalDetector::Cidr(c) => {
@@ -226,21 +215,48 @@ fn detector_matches(detector: &LocalDetector, family: IpFamily, ip_x: &str) -> O
             if !family.contains(&net.addr()) {
                 return None;
             }
-            let c = c.trim();
-            Some((format!("{ip_x} saddr {c}"), format!("{ip_x} saddr != {c}")))
+            let m = |negate| Match::Addr {
+                dir: Dir::Saddr,
+                negate,
+                spec: AddrSpec::Net(net),
+            };
+            Some((m(false), m(true)))
         }
-        LocalDetector::Bridge(b) => Some((format!("iifname {b}"), format!("iifname != {b}"))),
-        LocalDetector::InterfacePrefix(p) => Some((format!("iifname {p}*"), format!("iifname != {p}*"))),
+        LocalDetector::Bridge(b) => Some(iifname(b.clone())),
+        LocalDetector::InterfacePrefix(p) => Some(iifname(format!("{p}*"))),
     }
+}
+
+fn daddr(net: IpNet) -> Match {
+    Match::Addr {
+        dir: Dir::Daddr,
+        negate: false,
+        spec: AddrSpec::Net(net),
+    }
+}
+
+fn addr_in_set(dir: Dir, set: &str) -> Match {
+    Match::Addr {
+        dir,
+        negate: false,
+        spec: AddrSpec::Set(set.to_string()),
+    }
+}
+
+fn jump(chain: &str) -> Verdict {
+    Verdict::Jump(chain.to_string())
+}
+
+fn goto(chain: &str) -> Verdict {
+    Verdict::Goto(chain.to_string())
 }
 
 /// Everything that is the same for every service port during one sync.
 struct Ctx {
     family: IpFamily,
-    ip_x: &'static str,
-    addr_type: &'static str,
-    no_localhost: &'static str,
-    mark: String,
+    /// `ip daddr != 127.0.0.0/8` / `ip6 daddr != ::1`
+    no_localhost: Match,
+    mark: u32,
     masquerade_all: bool,
     prefer_same_node: bool,
     node_name: String,
@@ -250,23 +266,26 @@ struct Ctx {
     local_addresses: Vec<IpAddr>,
     service_cidrs: Vec<IpNet>,
     /// (if local, if not local)
-    detector: Option<(String, String)>,
+    detector: Option<(Match, Match)>,
 }
 
 impl Ctx {
     fn new(state: &ProxyState, opts: &RenderOptions) -> Ctx {
         let family = state.family;
-        let (ip_x, addr_type, no_localhost) = match family {
-            IpFamily::V4 => ("ip", "ipv4_addr", "ip daddr != 127.0.0.0/8"),
-            IpFamily::V6 => ("ip6", "ipv6_addr", "ip6 daddr != ::1"),
-        };
+        let loopback: IpNet = match family {
+            IpFamily::V4 => IpNet::new(IpAddr::from([127, 0, 0, 0]), 8),
+            IpFamily::V6 => IpNet::new(IpAddr::from(std::net::Ipv6Addr::LOCALHOST), 128),
+        }
+        .unwrap_or_default();
         let node_ip = state.node.primary_ip(family);
         Ctx {
             family,
-            ip_x,
-            addr_type,
-            no_localhost,
-            mark: masquerade_mark(opts.masquerade_bit),
+            no_localhost: Match::Addr {
+                dir: Dir::Daddr,
+                negate: true,
+                spec: AddrSpec::Net(loopback),
+            },
+            mark: 1u32.checked_shl(u32::from(opts.masquerade_bit)).unwrap_or(0),
             masquerade_all: opts.masquerade_all,
             prefer_same_node: opts.prefer_same_node,
             node_name: state.node.name.clone(),
@@ -280,7 +299,7 @@ impl Ctx {
                 .copied()
                 .filter(|n| family.contains(&n.addr()))
                 .collect(),
-            detector: detector_matches(&opts.local_detector, family, ip_x),
+            detector: detector_matches(&opts.local_detector, family),
         }
     }
 }
@@ -291,74 +310,109 @@ pub fn render(state: &ProxyState, opts: &RenderOptions) -> String {
     render_transaction(state, opts, true)
 }
 
+/// [`render_tx`] in knftables' text form.
+pub fn render_transaction(state: &ProxyState, opts: &RenderOptions, first_sync: bool) -> String {
+    render_tx(state, opts, first_sync).text()
+}
+
 /// Renders a full-sync transaction. `first_sync` adds upstream's one-time "add + delete" of
 /// every base chain, so that base chains left by an earlier process (possibly with other
 /// priorities) are re-created rather than failing the transaction.
-pub fn render_transaction(state: &ProxyState, opts: &RenderOptions, first_sync: bool) -> String {
+pub fn render_tx(state: &ProxyState, opts: &RenderOptions, first_sync: bool) -> Transaction {
+    let mut parts = render_parts(state, opts, first_sync);
+    let mut tx = parts.setup;
+    for s in parts.services.drain(..) {
+        tx.ops.extend(s.ops);
+    }
+    tx
+}
+
+/// A full-sync transaction cut in two: the fixed setup (table, base and fixed chains, sets,
+/// maps) and the commands of each service port, in [`ProxyState`] order. Element
+/// de-duplication runs across all of them, as in one transaction.
+pub struct RenderedParts {
+    pub setup: Transaction,
+    pub services: Vec<Transaction>,
+}
+
+pub fn render_parts(state: &ProxyState, opts: &RenderOptions, first_sync: bool) -> RenderedParts {
     let ctx = Ctx::new(state, opts);
     let mut tx = Tx::new(ctx.family);
     setup(&mut tx, &ctx, first_sync);
+    let setup_tx = std::mem::replace(&mut tx.tx, Transaction::new(ctx.family));
+    let mut services = Vec::with_capacity(state.service_ports.len());
     for sps in &state.service_ports {
         render_service(&mut tx, &ctx, sps);
+        services.push(std::mem::replace(&mut tx.tx, Transaction::new(ctx.family)));
     }
-    tx.out
+    RenderedParts {
+        setup: setup_tx,
+        services,
+    }
 }
 
 /// Upstream's `setupNFTables`: the table, base chains, fixed chains, sets and maps.
 fn setup(tx: &mut Tx, ctx: &Ctx, first_sync: bool) {
-    let ip_x = ctx.ip_x;
-    let addr = ctx.addr_type;
-    let mark = &ctx.mark;
-    tx.add_table();
+    let mark = ctx.mark;
+    tx.tx.push(Op::AddTable);
 
     if first_sync {
         for bc in &BASE_CHAINS {
             tx.add_chain(bc.name);
-            tx.delete_chain(bc.name);
+            tx.tx.push(Op::DeleteChain(bc.name.to_string()));
         }
     }
     for bc in &BASE_CHAINS {
-        tx.cmd(
-            "add",
-            "chain",
-            &format!(
-                " {} {{ type {} hook {} priority {} ; }}",
-                bc.name, bc.kind, bc.hook, bc.priority
-            ),
-        );
+        tx.tx.push(Op::AddChain(ChainDecl {
+            name: bc.name.to_string(),
+            base: Some(BaseHook {
+                kind: bc.kind,
+                hook: bc.hook,
+                priority: bc.priority,
+            }),
+            comment: None,
+        }));
         tx.flush_chain(bc.name);
     }
 
-    for (dst, src, extra) in JUMP_CHAINS {
+    for (dst, src, ct_new) in JUMP_CHAINS {
         tx.ensure_chain(dst);
-        let rule = if extra.is_empty() {
-            format!("jump {dst}")
-        } else {
-            format!("{extra} jump {dst}")
-        };
-        tx.add_rule(src, &rule);
+        let matches = if ct_new { vec![Match::CtStateNew] } else { vec![] };
+        tx.add_rule(src, Rule::verdict(matches, jump(dst)));
     }
     for chain in [SERVICES, CLUSTER_IPS_CHECK, MASQUERADING, MARK_FOR_MASQUERADE] {
         tx.ensure_chain(chain);
     }
 
-    tx.add_rule(MARK_FOR_MASQUERADE, &format!("mark set mark or {mark}"));
-    tx.add_rule(MASQUERADING, &format!("mark and {mark} == 0 return"));
-    tx.add_rule(MASQUERADING, &format!("mark set mark xor {mark}"));
-    tx.add_rule(MASQUERADING, "masquerade fully-random");
+    tx.add_rule(MARK_FOR_MASQUERADE, Rule::new(vec![], Statement::MarkSetOr(mark)));
+    tx.add_rule(
+        MASQUERADING,
+        Rule::verdict(vec![Match::MarkAndZero(mark)], Verdict::Return),
+    );
+    tx.add_rule(MASQUERADING, Rule::new(vec![], Statement::MarkSetXor(mark)));
+    tx.add_rule(MASQUERADING, Rule::new(vec![], Statement::Masquerade));
 
-    tx.add_set(CLUSTER_IPS, &format!("type {addr} ; comment \"Active ClusterIPs\""));
-    tx.add_rule_with_comment(
+    tx.add_set(CLUSTER_IPS, KeyType::Addr, false, Some("Active ClusterIPs"));
+    tx.add_rule(
         CLUSTER_IPS_CHECK,
-        &format!("{ip_x} daddr @{CLUSTER_IPS} reject"),
-        "Reject traffic to invalid ports of ClusterIPs",
+        Rule::verdict(vec![addr_in_set(Dir::Daddr, CLUSTER_IPS)], Verdict::Reject)
+            .with_comment("Reject traffic to invalid ports of ClusterIPs"),
     );
     if !ctx.service_cidrs.is_empty() {
-        let cidrs: Vec<String> = ctx.service_cidrs.iter().map(IpNet::to_string).collect();
-        tx.add_rule_with_comment(
+        tx.add_rule(
             CLUSTER_IPS_CHECK,
-            &format!("{ip_x} daddr {{ {} }} drop", cidrs.join(",")),
-            "Drop traffic to unallocated ClusterIPs",
+            Rule::verdict(
+                vec![Match::Addr {
+                    dir: Dir::Daddr,
+                    negate: false,
+                    spec: AddrSpec::AnonSet {
+                        items: ctx.service_cidrs.clone(),
+                        compact: true,
+                    },
+                }],
+                Verdict::Drop,
+            )
+            .with_comment("Drop traffic to unallocated ClusterIPs"),
         );
     }
 
@@ -366,102 +420,149 @@ fn setup(tx: &mut Tx, ctx: &Ctx, first_sync: bool) {
     // removes it without failing when it does not exist).
     tx.add_set(
         NODEPORT_IPS,
-        &format!("type {addr} ; comment \"IPs that accept NodePort traffic\""),
+        KeyType::Addr,
+        false,
+        Some("IPs that accept NodePort traffic"),
     );
     let match_all = ctx.node_port_addresses.match_all();
     if match_all {
-        tx.cmd("delete", "set", &format!(" {NODEPORT_IPS}"));
+        tx.tx.push(Op::DeleteSet {
+            name: NODEPORT_IPS.to_string(),
+            map: false,
+        });
     } else {
-        tx.flush_container("set", NODEPORT_IPS);
+        tx.tx.push(Op::FlushSet {
+            name: NODEPORT_IPS.to_string(),
+            map: false,
+        });
         for ip in ctx.node_port_addresses.node_ips(&ctx.local_addresses) {
             // Localhost NodePorts are not supported in nftables mode.
             if ip.is_loopback() {
                 continue;
             }
-            tx.cmd("add", "element", &format!(" {NODEPORT_IPS} {{ {ip} }}"));
+            tx.tx.push(Op::AddElement {
+                set: NODEPORT_IPS.to_string(),
+                element: Element {
+                    key: ElemKey::Addr(ip),
+                    value: None,
+                    comment: None,
+                },
+            });
         }
     }
 
-    tx.add_map(
+    tx.add_set(
         NO_ENDPOINT_SERVICES,
-        &format!(
-            "type {addr} . inet_proto . inet_service : verdict ; comment \"vmap to drop or reject packets to services with no endpoints\""
-        ),
+        KeyType::AddrProtoPort,
+        true,
+        Some("vmap to drop or reject packets to services with no endpoints"),
     );
-    tx.add_map(
+    tx.add_set(
         NO_ENDPOINT_NODEPORTS,
-        "type inet_proto . inet_service : verdict ; comment \"vmap to drop or reject packets to service nodeports with no endpoints\"",
+        KeyType::ProtoPort,
+        true,
+        Some("vmap to drop or reject packets to service nodeports with no endpoints"),
     );
 
-    tx.add_chain_with_comment(
-        REJECT_CHAIN,
-        "helper for @no-endpoint-services / @no-endpoint-nodeports",
-    );
+    tx.tx.push(Op::AddChain(ChainDecl {
+        name: REJECT_CHAIN.to_string(),
+        base: None,
+        comment: Some("helper for @no-endpoint-services / @no-endpoint-nodeports".to_string()),
+    }));
     tx.flush_chain(REJECT_CHAIN);
-    tx.add_rule(REJECT_CHAIN, "reject");
+    tx.add_rule(REJECT_CHAIN, Rule::verdict(vec![], Verdict::Reject));
 
     tx.add_rule(
         SERVICE_ENDPOINTS_CHECK,
-        &format!("{ip_x} daddr . meta l4proto . th dport vmap @{NO_ENDPOINT_SERVICES}"),
+        Rule::new(
+            vec![],
+            Statement::Vmap {
+                key: VmapKey::DaddrProtoPort,
+                map: NO_ENDPOINT_SERVICES.to_string(),
+            },
+        ),
     );
     let nodeport_daddr = if match_all {
-        ctx.no_localhost.to_string()
+        ctx.no_localhost.clone()
     } else {
-        format!("{ip_x} daddr @{NODEPORT_IPS}")
+        addr_in_set(Dir::Daddr, NODEPORT_IPS)
     };
     tx.add_rule(
         NODEPORT_ENDPOINTS_CHECK,
-        &format!("{nodeport_daddr} meta l4proto . th dport vmap @{NO_ENDPOINT_NODEPORTS}"),
+        Rule::new(
+            vec![nodeport_daddr.clone()],
+            Statement::Vmap {
+                key: VmapKey::ProtoPort,
+                map: NO_ENDPOINT_NODEPORTS.to_string(),
+            },
+        ),
     );
 
-    tx.add_map(
+    tx.add_set(
         FIREWALL_IPS,
-        &format!(
-            "type {addr} . inet_proto . inet_service : verdict ; comment \"destinations that are subject to LoadBalancerSourceRanges\""
-        ),
+        KeyType::AddrProtoPort,
+        true,
+        Some("destinations that are subject to LoadBalancerSourceRanges"),
     );
     tx.ensure_chain(FIREWALL_CHECK);
     tx.add_rule(
         FIREWALL_CHECK,
-        &format!("{ip_x} daddr . meta l4proto . th dport vmap @{FIREWALL_IPS}"),
-    );
-
-    tx.add_map(
-        SERVICE_IPS,
-        &format!(
-            "type {addr} . inet_proto . inet_service : verdict ; comment \"ClusterIP, ExternalIP and LoadBalancer IP traffic\""
+        Rule::new(
+            vec![],
+            Statement::Vmap {
+                key: VmapKey::DaddrProtoPort,
+                map: FIREWALL_IPS.to_string(),
+            },
         ),
     );
-    tx.add_map(
-        SERVICE_NODEPORTS,
-        "type inet_proto . inet_service : verdict ; comment \"NodePort traffic\"",
+
+    tx.add_set(
+        SERVICE_IPS,
+        KeyType::AddrProtoPort,
+        true,
+        Some("ClusterIP, ExternalIP and LoadBalancer IP traffic"),
     );
+    tx.add_set(SERVICE_NODEPORTS, KeyType::ProtoPort, true, Some("NodePort traffic"));
     tx.add_rule(
         SERVICES,
-        &format!("{ip_x} daddr . meta l4proto . th dport vmap @{SERVICE_IPS}"),
+        Rule::new(
+            vec![],
+            Statement::Vmap {
+                key: VmapKey::DaddrProtoPort,
+                map: SERVICE_IPS.to_string(),
+            },
+        ),
     );
-    if match_all {
-        tx.add_rule(
-            SERVICES,
-            &format!(
-                "fib daddr type local {} meta l4proto . th dport vmap @{SERVICE_NODEPORTS}",
-                ctx.no_localhost
-            ),
-        );
+    let nodeport_matches = if match_all {
+        vec![Match::FibLocal(Dir::Daddr), nodeport_daddr]
     } else {
-        tx.add_rule(
-            SERVICES,
-            &format!("{ip_x} daddr @{NODEPORT_IPS} meta l4proto . th dport vmap @{SERVICE_NODEPORTS}"),
-        );
-    }
+        vec![nodeport_daddr]
+    };
+    tx.add_rule(
+        SERVICES,
+        Rule::new(
+            nodeport_matches,
+            Statement::Vmap {
+                key: VmapKey::ProtoPort,
+                map: SERVICE_NODEPORTS.to_string(),
+            },
+        ),
+    );
 
     // Flush the containers (a full sync re-adds every element).
-    tx.flush_container("set", CLUSTER_IPS);
-    tx.flush_container("map", SERVICE_IPS);
-    tx.flush_container("map", FIREWALL_IPS);
-    tx.flush_container("map", NO_ENDPOINT_SERVICES);
-    tx.flush_container("map", NO_ENDPOINT_NODEPORTS);
-    tx.flush_container("map", SERVICE_NODEPORTS);
+    for (name, map) in [
+        (CLUSTER_IPS, false),
+        (SERVICE_IPS, true),
+        (FIREWALL_IPS, true),
+        (NO_ENDPOINT_SERVICES, true),
+        (NO_ENDPOINT_NODEPORTS, true),
+        (SERVICE_NODEPORTS, true),
+    ] {
+        tx.tx.push(Op::FlushSet {
+            name: name.to_string(),
+            map,
+        });
+    }
 }
 
 /// The endpoint chain and affinity set names of `ep` for the service port of `sps`.
@@ -480,8 +581,8 @@ fn endpoint_names(sps: &ServicePortState, ep: &Endpoint) -> EndpointNames {
 /// The per-service part of upstream's `syncProxyRules`, in its order.
 fn render_service(tx: &mut Tx, ctx: &Ctx, sps: &ServicePortState) {
     let svc = &sps.port;
-    let ip_x = ctx.ip_x;
-    let proto = svc.protocol.lower();
+    let protocol = svc.protocol;
+    let proto = protocol.lower();
     let name_string = svc.name.to_string();
     let chains = ServicePortChains::new(&svc.name.namespace, &svc.name.name, proto, &svc.name.port);
     let sets = categorize_endpoints(
@@ -527,50 +628,39 @@ fn render_service(tx: &mut Tx, ctx: &Ctx, sps: &ServicePortState) {
         tx.ensure_chain(external_chain);
     }
 
-    let reject = format!("goto {REJECT_CHAIN}");
-    let (internal_verdict, external_verdict) = if !has_endpoints {
-        (reject.as_str(), reject.as_str())
+    let no_endpoint_verdict = if !has_endpoints {
+        goto(REJECT_CHAIN)
     } else {
-        ("drop", "drop")
+        Verdict::Drop
     };
 
     let port = svc.port;
-    let key = |ip: &IpAddr, port: u16| format!("{ip} . {proto} . {port}");
+    let key = |ip: &IpAddr| ElemKey::AddrProtoPort(*ip, protocol, port);
     let cluster_ip = svc.cluster_ip;
 
-    tx.ensure_element(CLUSTER_IPS, &cluster_ip.to_string(), None, None);
+    tx.ensure_element(CLUSTER_IPS, ElemKey::Addr(cluster_ip), None, None);
     if has_internal {
-        tx.ensure_element(
-            SERVICE_IPS,
-            &key(&cluster_ip, port),
-            Some(&format!("goto {internal_chain}")),
-            None,
-        );
+        tx.ensure_element(SERVICE_IPS, key(&cluster_ip), Some(goto(internal_chain)), None);
     } else {
         tx.ensure_element(
             NO_ENDPOINT_SERVICES,
-            &key(&cluster_ip, port),
-            Some(internal_verdict),
+            key(&cluster_ip),
+            Some(no_endpoint_verdict.clone()),
             Some(&name_string),
         );
     }
 
     for ext in &svc.external_ips {
         if has_endpoints {
-            tx.ensure_element(
-                SERVICE_IPS,
-                &key(ext, port),
-                Some(&format!("goto {external_chain}")),
-                None,
-            );
+            tx.ensure_element(SERVICE_IPS, key(ext), Some(goto(external_chain)), None);
         }
         if !has_external {
             // No endpoints at all (reject), or none for external traffic (drop what the
             // external chain did not short-circuit).
             tx.ensure_element(
                 NO_ENDPOINT_SERVICES,
-                &key(ext, port),
-                Some(external_verdict),
+                key(ext),
+                Some(no_endpoint_verdict.clone()),
                 Some(&name_string),
             );
         }
@@ -584,23 +674,18 @@ fn render_service(tx: &mut Tx, ctx: &Ctx, sps: &ServicePortState) {
     }
     for lb in &svc.load_balancer_vips {
         if has_endpoints {
-            tx.ensure_element(
-                SERVICE_IPS,
-                &key(lb, port),
-                Some(&format!("goto {external_chain}")),
-                None,
-            );
+            tx.ensure_element(SERVICE_IPS, key(lb), Some(goto(external_chain)), None);
         }
         if uses_fw_chain {
-            tx.ensure_element(FIREWALL_IPS, &key(lb, port), Some(&format!("goto {fw_chain}")), None);
+            tx.ensure_element(FIREWALL_IPS, key(lb), Some(goto(fw_chain)), None);
         }
     }
     if !has_external {
         for lb in &svc.load_balancer_vips {
             tx.ensure_element(
                 NO_ENDPOINT_SERVICES,
-                &key(lb, port),
-                Some(external_verdict),
+                key(lb),
+                Some(no_endpoint_verdict.clone()),
                 Some(&name_string),
             );
         }
@@ -608,21 +693,16 @@ fn render_service(tx: &mut Tx, ctx: &Ctx, sps: &ServicePortState) {
 
     let node_port = svc.node_port;
     if node_port != 0 {
-        let np_key = format!("{proto} . {node_port}");
+        let np_key = ElemKey::ProtoPort(protocol, node_port);
         if has_endpoints {
             // NodePorts are not subject to loadBalancerSourceRanges (upstream behaviour).
-            tx.ensure_element(
-                SERVICE_NODEPORTS,
-                &np_key,
-                Some(&format!("goto {external_chain}")),
-                None,
-            );
+            tx.ensure_element(SERVICE_NODEPORTS, np_key.clone(), Some(goto(external_chain)), None);
         }
         if !has_external {
             tx.ensure_element(
                 NO_ENDPOINT_NODEPORTS,
-                &np_key,
-                Some(external_verdict),
+                np_key,
+                Some(no_endpoint_verdict.clone()),
                 Some(&name_string),
             );
         }
@@ -632,13 +712,13 @@ fn render_service(tx: &mut Tx, ctx: &Ctx, sps: &ServicePortState) {
     if has_internal {
         // The newest upstream matches only the ClusterIP here (the chain is reached through
         // service-ips, which already matched protocol and port).
-        let dst = format!("{ip_x} daddr {cluster_ip}");
+        let dst = daddr(IpNet::from(cluster_ip));
         if ctx.masquerade_all {
-            tx.add_rule(internal_chain, &format!("{dst} jump {MARK_FOR_MASQUERADE}"));
+            tx.add_rule(internal_chain, Rule::verdict(vec![dst], jump(MARK_FOR_MASQUERADE)));
         } else if let Some((_, if_not_local)) = &ctx.detector {
             tx.add_rule(
                 internal_chain,
-                &format!("{dst} {if_not_local} jump {MARK_FOR_MASQUERADE}"),
+                Rule::verdict(vec![dst, if_not_local.clone()], jump(MARK_FOR_MASQUERADE)),
             );
         }
     }
@@ -646,63 +726,76 @@ fn render_service(tx: &mut Tx, ctx: &Ctx, sps: &ServicePortState) {
     if uses_external_chain {
         if !svc.external_policy_local {
             // Endpoints may be on other nodes: masquerade so replies come back through us.
-            tx.add_rule(external_chain, &format!("jump {MARK_FOR_MASQUERADE}"));
+            tx.add_rule(external_chain, Rule::verdict(vec![], jump(MARK_FOR_MASQUERADE)));
         } else {
             // Pod traffic to an external address behaves as if it went out to the load
             // balancer and came back: subject to no traffic policy.
             if let Some((if_local, _)) = &ctx.detector {
-                tx.add_rule_with_comment(
+                tx.add_rule(
                     external_chain,
-                    &format!("{if_local} goto {cluster_chain}"),
-                    "short-circuit pod traffic",
+                    Rule::verdict(vec![if_local.clone()], goto(cluster_chain))
+                        .with_comment("short-circuit pod traffic"),
                 );
             }
             // Host-originated traffic has a local source (maybe the LB IP itself).
-            tx.add_rule_with_comment(
+            tx.add_rule(
                 external_chain,
-                &format!("fib saddr type local jump {MARK_FOR_MASQUERADE}"),
-                "masquerade local traffic",
+                Rule::verdict(vec![Match::FibLocal(Dir::Saddr)], jump(MARK_FOR_MASQUERADE))
+                    .with_comment("masquerade local traffic"),
             );
-            tx.add_rule_with_comment(
+            tx.add_rule(
                 external_chain,
-                &format!("fib saddr type local goto {cluster_chain}"),
-                "short-circuit local traffic",
+                Rule::verdict(vec![Match::FibLocal(Dir::Saddr)], goto(cluster_chain))
+                    .with_comment("short-circuit local traffic"),
             );
         }
         if has_external {
-            tx.add_rule(external_chain, &format!("goto {external_policy_chain}"));
+            tx.add_rule(external_chain, Rule::verdict(vec![], goto(external_policy_chain)));
         }
     }
 
     if uses_fw_chain {
-        let mut sources: Vec<String> = Vec::new();
-        let mut allow_from_node = false;
-        for cidr in &svc.load_balancer_source_ranges {
-            sources.push(cidr.to_string());
-            allow_from_node |= ctx.node_ip.is_some_and(|ip| cidr.contains(&ip));
-        }
+        let mut sources: Vec<IpNet> = svc.load_balancer_source_ranges.clone();
+        let allow_from_node = ctx
+            .node_ip
+            .is_some_and(|ip| sources.iter().any(|cidr| cidr.contains(&ip)));
         // A VIP bound locally makes node→VIP traffic loop back with the VIP as source.
         if allow_from_node {
-            sources.extend(svc.load_balancer_vips.iter().map(IpAddr::to_string));
+            sources.extend(svc.load_balancer_vips.iter().map(|ip| IpNet::from(*ip)));
         }
-        tx.add_rule(fw_chain, &format!("{ip_x} saddr != {{ {} }} drop", sources.join(" , ")));
+        tx.add_rule(
+            fw_chain,
+            Rule::verdict(
+                vec![Match::Addr {
+                    dir: Dir::Saddr,
+                    negate: true,
+                    spec: AddrSpec::AnonSet {
+                        items: sources,
+                        compact: false,
+                    },
+                }],
+                Verdict::Drop,
+            ),
+        );
     }
 
     if let Some(timeout) = affinity {
         for ep in &sets.all_reachable {
-            let set = endpoint_names(sps, ep).affinity_set;
-            tx.add_set(
-                &set,
-                &format!("type {} ; flags dynamic,timeout ; timeout {timeout}s", ctx.addr_type),
-            );
+            tx.tx.push(Op::AddSet(SetDecl {
+                name: endpoint_names(sps, ep).affinity_set,
+                key: KeyType::Addr,
+                map: false,
+                timeout_seconds: Some(timeout),
+                comment: None,
+            }));
         }
     }
 
     if uses_cluster_chain {
-        write_service_to_endpoint_rules(tx, ctx, sps, cluster_chain, &sets.cluster);
+        write_service_to_endpoint_rules(tx, sps, cluster_chain, &sets.cluster);
     }
     if uses_local_chain {
-        write_service_to_endpoint_rules(tx, ctx, sps, local_chain, &sets.local);
+        write_service_to_endpoint_rules(tx, sps, local_chain, &sets.local);
     }
 
     for ep in &sets.all_reachable {
@@ -710,48 +803,44 @@ fn render_service(tx: &mut Tx, ctx: &Ctx, sps: &ServicePortState) {
         // Hairpin: a pod reaching itself through the Service must be masqueraded.
         tx.add_rule(
             &names.chain,
-            &format!("{ip_x} saddr {} jump {MARK_FOR_MASQUERADE}", ep.ip),
+            Rule::verdict(
+                vec![Match::Addr {
+                    dir: Dir::Saddr,
+                    negate: false,
+                    spec: AddrSpec::Net(IpNet::from(ep.ip)),
+                }],
+                jump(MARK_FOR_MASQUERADE),
+            ),
         );
         if affinity.is_some() {
             tx.add_rule(
                 &names.chain,
-                &format!("update @{} {{ {ip_x} saddr }}", names.affinity_set),
+                Rule::new(vec![], Statement::UpdateSaddr(names.affinity_set.clone())),
             );
         }
-        tx.add_rule(&names.chain, &format!("meta l4proto {proto} dnat to {ep}"));
+        tx.add_rule(
+            &names.chain,
+            Rule::new(
+                vec![Match::L4proto(protocol)],
+                Statement::Dnat(SocketAddr::new(ep.ip, ep.port)),
+            ),
+        );
     }
 }
 
 /// Affinity checks, then one `numgen` lookup choosing each endpoint with probability 1/n.
-fn write_service_to_endpoint_rules(
-    tx: &mut Tx,
-    ctx: &Ctx,
-    sps: &ServicePortState,
-    chain: &str,
-    endpoints: &[Endpoint],
-) {
+fn write_service_to_endpoint_rules(tx: &mut Tx, sps: &ServicePortState, chain: &str, endpoints: &[Endpoint]) {
     if sps.port.session_affinity_timeout.is_some() {
         for ep in endpoints {
             let names = endpoint_names(sps, ep);
             tx.add_rule(
                 chain,
-                &format!("{} saddr @{} goto {}", ctx.ip_x, names.affinity_set, names.chain),
+                Rule::verdict(vec![addr_in_set(Dir::Saddr, &names.affinity_set)], goto(&names.chain)),
             );
         }
     }
-    let elements: Vec<String> = endpoints
-        .iter()
-        .enumerate()
-        .map(|(i, ep)| format!("{i} : goto {}", endpoint_names(sps, ep).chain))
-        .collect();
-    tx.add_rule(
-        chain,
-        &format!(
-            "numgen random mod {} vmap {{ {} }}",
-            endpoints.len(),
-            elements.join(" , ")
-        ),
-    );
+    let targets: Vec<String> = endpoints.iter().map(|ep| endpoint_names(sps, ep).chain).collect();
+    tx.add_rule(chain, Rule::new(vec![], Statement::NumgenVmap(targets)));
 }
 
 #[cfg(test)]
@@ -932,17 +1021,26 @@ mod tests {
         let later = render_transaction(&st, &opts(), false);
         assert!(first.contains("add chain ip kube-proxy nat-output\ndelete chain ip kube-proxy nat-output\n"));
         assert!(!later.contains("delete chain"));
+        let text = |m: Option<(Match, Match)>| {
+            m.map(|(a, b)| {
+                let t = |m: Match| Rule::verdict(vec![m], Verdict::Accept).text(IpFamily::V4);
+                (t(a), t(b))
+            })
+        };
         assert_eq!(
-            detector_matches(&LocalDetector::InterfacePrefix("veth".into()), IpFamily::V4, "ip"),
-            Some(("iifname veth*".into(), "iifname != veth*".into()))
+            text(detector_matches(
+                &LocalDetector::InterfacePrefix("veth".into()),
+                IpFamily::V4
+            )),
+            Some(("iifname veth* accept".into(), "iifname != veth* accept".into()))
         );
         assert_eq!(
-            detector_matches(&LocalDetector::Bridge("cni0".into()), IpFamily::V6, "ip6"),
-            Some(("iifname cni0".into(), "iifname != cni0".into()))
+            text(detector_matches(&LocalDetector::Bridge("cni0".into()), IpFamily::V6)),
+            Some(("iifname cni0 accept".into(), "iifname != cni0 accept".into()))
         );
         // A CIDR of the other family is no detector for this one.
         assert_eq!(
-            detector_matches(&LocalDetector::Cidr("10.0.0.0/8".into()), IpFamily::V6, "ip6"),
+            detector_matches(&LocalDetector::Cidr("10.0.0.0/8".into()), IpFamily::V6),
             None
         );
     }
