@@ -95,10 +95,18 @@ impl Dataplane {
     }
 
     /// Our canaries (iptables) or our table (nftables) are still there.
-    fn intact(&mut self, family: IpFamily) -> bool {
+    fn intact(&mut self) -> bool {
         match self {
             Dataplane::Iptables(p) => p.canaries_intact(),
-            Dataplane::Nftables(_) => nftables::proxier::table_exists(family),
+            Dataplane::Nftables(p) => p.table_exists(),
+        }
+    }
+
+    /// When a sync is due without any change (nftables: deleting chains flushed earlier).
+    fn cleanup_due(&self) -> Option<Instant> {
+        match self {
+            Dataplane::Iptables(_) => None,
+            Dataplane::Nftables(p) => p.next_cleanup(),
         }
     }
 
@@ -120,14 +128,7 @@ impl Dataplane {
     fn sync(&mut self, state: &ProxyState) -> Result<SyncReport, (String, bool)> {
         match self {
             Dataplane::Iptables(p) => p.sync(state).map_err(|e| (e.to_string(), p.last_attempt_full())),
-            Dataplane::Nftables(p) => p
-                .sync(state)
-                .map(|elapsed| SyncReport {
-                    full: true,
-                    elapsed,
-                    ..SyncReport::default()
-                })
-                .map_err(|e| (e.to_string(), true)),
+            Dataplane::Nftables(p) => p.sync(state).map_err(|e| (e.to_string(), true)),
         }
     }
 }
@@ -210,10 +211,11 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
         let now = Instant::now();
         let pending = objects.is_some() && proxiers.iter().any(|p| p.pending);
         let earliest = last_sync.map_or(now, |t| t + cfg.min_sync_period);
+        let cleanup = proxiers.iter().filter_map(|p| p.proxier.cleanup_due()).min();
         let wake = if pending {
             retry_at.unwrap_or(earliest).max(earliest)
         } else {
-            next_check
+            cleanup.map_or(next_check, |c| c.min(next_check))
         };
         match rx.recv_timeout(wake.saturating_duration_since(now)) {
             Ok(()) => {
@@ -237,10 +239,15 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
         }
         let Some(current) = objects.as_ref() else { continue };
         let now = Instant::now();
+        for p in &mut proxiers {
+            if p.proxier.cleanup_due().is_some_and(|t| t <= now) {
+                p.pending = true;
+            }
+        }
         if now >= next_check {
             next_check = now + cfg.sync_period;
             for p in &mut proxiers {
-                if !p.proxier.intact(p.family) {
+                if !p.proxier.intact() {
                     warn!(ip_family = %p.family, "Canary chains or jump rules are missing (tables flushed or reloaded by someone else); doing a full sync");
                     p.proxier.force_full_sync();
                     p.pending = true;

@@ -1,37 +1,135 @@
-//! The nftables proxier, first version: every sync replaces the family's `kube-proxy` table in
-//! one atomic `nft -f -` transaction ("add table; delete table" — nft 1.0.6 has no `destroy` —
-//! then the full rendered transaction), so no stale chain or set can survive and established
-//! connections keep their conntrack NAT state. Incremental transactions (upstream's partial
-//! syncs and element diffs) are the next step; the layout and names already match upstream.
+//! The nftables proxier: keeps one family's `kube-proxy` table equal to the model by sending
+//! only what changed, as one atomic transaction per sync.
+//!
+//! It never lists the table: what it programmed is known from the service ports it synced
+//! last (re-rendered on demand, so memory stays at one `ServicePortState` per port) and from
+//! the owners of each set/map element (a ClusterIP in `cluster-ips` may belong to several
+//! ports). A sync renders only changed ports, rewrites only chains whose rules changed, adds
+//! and deletes only the elements that changed, flushes chains it stopped using and deletes
+//! them at least a second later (as upstream does: a flushed chain can still be referenced
+//! by rules the kernel has not released yet).
+//!
+//! A full sync (start, a failed transaction, a changed node/options, the table gone) deletes
+//! and rebuilds the table in bounded transactions, the `kubernetes` Service and cluster DNS
+//! in the first one: one huge transaction is quadratic in the kernel (see FLOOR.md) and
+//! would hold the nftables mutex for minutes at 40k Services.
 
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Write;
 use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use super::ast::{ElemKey, Element, Op, Rule, SetDecl, Transaction, family_keyword};
 use super::names::TABLE;
-use super::render::render_transaction;
+use super::render::ServiceRenderer;
+use super::ruleset::Ruleset;
+use crate::iptables::proxier::SyncReport;
 use crate::iptables::render::RenderOptions;
-use crate::model::{IpFamily, ProxyState};
+use crate::model::{IpFamily, Protocol, ProxyState, ServicePortName, ServicePortState};
 
-/// `nft` failed; the caller keeps the previous rules (the transaction is atomic) and retries.
+/// Chains flushed by a sync are deleted by the first sync at least this much later.
+pub const STALE_CHAIN_DELAY: Duration = Duration::from_secs(1);
+
+/// A full sync sends at most about this many commands per transaction (a few hundred
+/// service ports of 10 endpoints; see the benchmark for the choice).
+pub const MAX_OPS_PER_TRANSACTION: usize = 20_000;
+
+/// Services programmed in the first transaction of a full sync: without them nothing in the
+/// cluster resolves names or reaches the API server.
+pub const PRIORITY_SERVICES: [(&str, &str); 3] = [
+    ("default", "kubernetes"),
+    ("kube-system", "kube-dns"),
+    ("kube-system", "coredns"),
+];
+
+/// A transaction the kernel (or `nft`) refused; nothing of it was applied.
 #[derive(Debug, thiserror::Error)]
-#[error("nft -f - failed: {stderr}")]
-pub struct NftError {
-    pub stderr: String,
+#[error("{0}")]
+pub struct NftError(pub String);
+
+/// Where transactions go: `nft -f -`, netlink, or a recording fake.
+pub trait NftBackend: Send {
+    /// Applies `tx` atomically (an empty transaction is a no-op).
+    fn apply(&mut self, tx: &Transaction) -> Result<(), NftError>;
+    /// Whether the family's `kube-proxy` table exists.
+    fn table_exists(&mut self, family: IpFamily) -> Result<bool, NftError>;
 }
 
-fn family_name(family: IpFamily) -> &'static str {
-    match family {
-        IpFamily::V4 => "ip",
-        IpFamily::V6 => "ip6",
+/// The `nft` command: each transaction is piped to `nft -f -`.
+#[derive(Debug, Default)]
+pub struct NftCommand;
+
+impl NftBackend for NftCommand {
+    fn apply(&mut self, tx: &Transaction) -> Result<(), NftError> {
+        if tx.is_empty() {
+            return Ok(());
+        }
+        nft_apply(&tx.text())
+    }
+
+    fn table_exists(&mut self, family: IpFamily) -> Result<bool, NftError> {
+        // `list tables` prints names only; `list table` would print every rule (seconds at
+        // 10k Services).
+        let out = Command::new("nft")
+            .args(["list", "tables", family_keyword(family)])
+            .stderr(Stdio::null())
+            .output()
+            .map_err(|e| NftError(format!("running nft: {e}")))?;
+        if !out.status.success() {
+            return Err(NftError(format!("nft list tables exited with {}", out.status)));
+        }
+        let wanted = format!("table {} {TABLE}", family_keyword(family));
+        Ok(String::from_utf8_lossy(&out.stdout).lines().any(|l| l.trim() == wanted))
+    }
+}
+
+/// What a [`RecordingBackend`] saw: the transactions applied, and the tables they built.
+#[derive(Debug, Default)]
+pub struct Recorded {
+    pub applied: Vec<Transaction>,
+    pub tables: HashMap<IpFamily, Ruleset>,
+    /// Makes the next apply fail (nothing applied).
+    pub fail_next: bool,
+}
+
+/// A backend that records transactions and applies them to a model of the kernel's table,
+/// refusing what the kernel would refuse. Clones share the record.
+#[derive(Clone, Debug, Default)]
+pub struct RecordingBackend(Arc<Mutex<Recorded>>);
+
+impl RecordingBackend {
+    pub fn recorded(&self) -> MutexGuard<'_, Recorded> {
+        // A panicking test thread must not hide the record from the others.
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl NftBackend for RecordingBackend {
+    fn apply(&mut self, tx: &Transaction) -> Result<(), NftError> {
+        let mut r = self.recorded();
+        if std::mem::take(&mut r.fail_next) {
+            return Err(NftError("injected failure".into()));
+        }
+        let mut table = r
+            .tables
+            .get(&tx.family)
+            .cloned()
+            .unwrap_or_else(|| Ruleset::new(tx.family));
+        table.apply_all(&tx.ops).map_err(|e| NftError(e.to_string()))?;
+        r.tables.insert(tx.family, table);
+        r.applied.push(tx.clone());
+        Ok(())
+    }
+
+    fn table_exists(&mut self, family: IpFamily) -> Result<bool, NftError> {
+        Ok(self.recorded().tables.get(&family).is_some_and(|t| t.exists))
     }
 }
 
 /// Runs `nft -f -` with `input` on stdin.
 pub fn nft_apply(input: &str) -> Result<(), NftError> {
-    let err = |e: std::io::Error| NftError {
-        stderr: format!("running nft: {e}"),
-    };
+    let err = |e: std::io::Error| NftError(format!("running nft: {e}"));
     let mut child = Command::new("nft")
         .args(["-f", "-"])
         .stdin(Stdio::piped())
@@ -46,73 +144,698 @@ pub fn nft_apply(input: &str) -> Result<(), NftError> {
     if out.status.success() {
         Ok(())
     } else {
-        Err(NftError {
-            stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
-        })
+        Err(NftError(format!(
+            "nft -f - failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )))
     }
 }
 
 /// Whether the family's table exists (our canary: someone may delete it).
 pub fn table_exists(family: IpFamily) -> bool {
-    Command::new("nft")
-        .args(["list", "table", family_name(family), TABLE])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
+    NftCommand.table_exists(family).unwrap_or(false)
 }
 
 /// Deletes the family's table if it exists (cleanup, and switching to another mode).
 pub fn delete_table(family: IpFamily) -> Result<(), NftError> {
-    let f = family_name(family);
+    let f = family_keyword(family);
     nft_apply(&format!("add table {f} {TABLE}\ndelete table {f} {TABLE}\n"))
+}
+
+/// One service port's objects, from its rendered commands.
+#[derive(Default)]
+struct ServiceObjects {
+    /// Chains in creation order, with their rules.
+    chains: Vec<(String, Vec<Rule>)>,
+    sets: Vec<SetDecl>,
+    elements: Vec<(String, Element)>,
+}
+
+impl ServiceObjects {
+    fn from_ops(ops: Vec<Op>) -> ServiceObjects {
+        let mut objs = ServiceObjects::default();
+        let mut index: HashMap<String, usize> = HashMap::new();
+        for op in ops {
+            match op {
+                Op::AddChain(decl) => {
+                    index.entry(decl.name.clone()).or_insert_with(|| {
+                        objs.chains.push((decl.name, Vec::new()));
+                        objs.chains.len() - 1
+                    });
+                }
+                Op::FlushChain(name) => {
+                    if let Some(&i) = index.get(&name) {
+                        objs.chains[i].1.clear();
+                    }
+                }
+                Op::AddRule { chain, rule } => {
+                    if let Some(&i) = index.get(&chain) {
+                        objs.chains[i].1.push(rule);
+                    }
+                }
+                Op::AddSet(decl) => objs.sets.push(decl),
+                Op::AddElement { set, element } => {
+                    objs.elements.retain(|(s, e)| !(*s == set && e.key == element.key));
+                    objs.elements.push((set, element));
+                }
+                Op::DeleteElement { set, key } => objs.elements.retain(|(s, e)| !(*s == set && e.key == key)),
+                // A service port's rendering never touches tables or deletes its own objects.
+                Op::AddTable | Op::DeleteTable | Op::DeleteChain(_) | Op::FlushSet { .. } | Op::DeleteSet { .. } => {}
+            }
+        }
+        objs
+    }
+}
+
+/// What the kernel holds after the last successful transaction.
+struct Applied {
+    renderer: ServiceRenderer,
+    services: HashMap<ServicePortName, ServicePortState>,
+    /// Every element owned by a service port, with its owners (the last one by name wins,
+    /// as in a full render where later ports overwrite earlier ones).
+    elements: HashMap<(String, ElemKey), BTreeMap<ServicePortName, Element>>,
+    /// Flushed chains waiting to be deleted, with the time they were flushed.
+    stale_chains: BTreeMap<String, Instant>,
+}
+
+/// The commands of one transaction, in the order the kernel needs them.
+#[derive(Default)]
+struct Plan {
+    new_sets: Vec<Op>,
+    new_chains: Vec<Op>,
+    chain_rules: Vec<Op>,
+    /// (set, key) → effective element before this transaction.
+    touched: BTreeMap<(String, ElemKey), Option<Element>>,
+    stale_flushes: Vec<Op>,
+    set_deletes: Vec<Op>,
+    rewritten: usize,
+    udp_endpoints_removed: bool,
 }
 
 pub struct NftProxier {
     family: IpFamily,
     opts: RenderOptions,
-    last: Option<String>,
+    backend: Box<dyn NftBackend>,
+    applied: Option<Applied>,
+    max_ops: usize,
+    stale_delay: Duration,
 }
 
 impl NftProxier {
+    /// A proxier that programs the kernel through `nft -f -`.
     pub fn new(family: IpFamily, opts: RenderOptions) -> NftProxier {
+        NftProxier::with_backend(family, opts, Box::new(NftCommand))
+    }
+
+    pub fn with_backend(family: IpFamily, opts: RenderOptions, backend: Box<dyn NftBackend>) -> NftProxier {
         NftProxier {
             family,
             opts,
-            last: None,
+            backend,
+            applied: None,
+            max_ops: MAX_OPS_PER_TRANSACTION,
+            stale_delay: STALE_CHAIN_DELAY,
         }
+    }
+
+    /// Bounds the size of full-sync transactions (tests and benchmarks).
+    pub fn set_max_ops_per_transaction(&mut self, max_ops: usize) {
+        self.max_ops = max_ops.max(1);
+    }
+
+    /// How long flushed chains wait before they are deleted (tests).
+    pub fn set_stale_chain_delay(&mut self, delay: Duration) {
+        self.stale_delay = delay;
+    }
+
+    pub fn backend(&mut self) -> &mut dyn NftBackend {
+        self.backend.as_mut()
     }
 
     pub fn set_options(&mut self, opts: RenderOptions) {
         if opts != self.opts {
             self.opts = opts;
-            self.last = None;
+            self.applied = None;
         }
     }
 
     pub fn force_full_sync(&mut self) {
-        self.last = None;
+        self.applied = None;
     }
 
-    /// Replaces the table when the rendered transaction differs from the applied one; returns
-    /// the time taken (zero when nothing changed).
-    pub fn sync(&mut self, state: &ProxyState) -> Result<Duration, NftError> {
+    /// Whether our table is still there.
+    pub fn table_exists(&mut self) -> bool {
+        self.backend.table_exists(self.family).unwrap_or(false)
+    }
+
+    /// When a sync is due to delete flushed chains, if any wait.
+    pub fn next_cleanup(&self) -> Option<Instant> {
+        let applied = self.applied.as_ref()?;
+        applied.stale_chains.values().min().map(|t| *t + self.stale_delay)
+    }
+
+    /// Brings the table in line with `state` (which must be of this proxier's family).
+    pub fn sync(&mut self, state: &ProxyState) -> Result<SyncReport, NftError> {
         let start = Instant::now();
-        let body = render_transaction(state, &self.opts, true);
-        if self.last.as_deref() == Some(body.as_str()) {
-            return Ok(Duration::ZERO);
-        }
-        let f = family_name(self.family);
-        let input = format!("add table {f} {TABLE}\ndelete table {f} {TABLE}\n{body}");
-        match nft_apply(&input) {
-            Ok(()) => {
-                self.last = Some(body);
-                Ok(start.elapsed())
+        let renderer = ServiceRenderer::new(state, &self.opts);
+        let incremental = self.applied.as_ref().is_some_and(|a| a.renderer == renderer);
+        let result = if incremental {
+            self.sync_changes(state)
+        } else {
+            self.full_sync(state, renderer)
+        };
+        match result {
+            Ok(mut report) => {
+                report.elapsed = start.elapsed();
+                Ok(report)
             }
             Err(e) => {
-                self.last = None;
+                // What the kernel holds is no longer known: rebuild on the next sync.
+                self.applied = None;
                 Err(e)
             }
+        }
+    }
+
+    /// Deletes and rebuilds the table in bounded transactions, priority services first.
+    fn full_sync(&mut self, state: &ProxyState, renderer: ServiceRenderer) -> Result<SyncReport, NftError> {
+        self.applied = None;
+        let mut applied = Applied {
+            renderer,
+            services: HashMap::new(),
+            elements: HashMap::new(),
+            stale_chains: BTreeMap::new(),
+        };
+        let mut order: Vec<&ServicePortState> = state.service_ports.iter().collect();
+        // Stable: the rest keeps the model's order.
+        order.sort_by_key(|s| !is_priority(&s.port.name));
+
+        let mut tx = Transaction::new(self.family);
+        tx.push(Op::AddTable);
+        tx.push(Op::DeleteTable);
+        tx.ops.extend(applied.renderer.setup(false).ops);
+        let mut bytes = 0;
+        let mut rest = order.as_slice();
+        loop {
+            let mut plan = Plan::default();
+            let mut ops = tx.ops.len();
+            while let Some((sps, tail)) = rest.split_first() {
+                let objs = ServiceObjects::from_ops(applied.renderer.service(sps).ops);
+                ops +=
+                    objs.chains.iter().map(|(_, r)| r.len() + 2).sum::<usize>() + objs.elements.len() + objs.sets.len();
+                plan_service(&mut plan, &mut applied, &sps.port.name, None, Some(objs));
+                applied.services.insert(sps.port.name.clone(), (*sps).clone());
+                rest = tail;
+                // The priority services go together, whatever the bound.
+                if ops >= self.max_ops && rest.first().is_none_or(|n| !is_priority(&n.port.name)) {
+                    break;
+                }
+            }
+            finish_plan(&mut tx, plan, &mut applied, Instant::now());
+            bytes += tx.ops.len();
+            self.backend.apply(&tx)?;
+            if rest.is_empty() {
+                break;
+            }
+            tx = Transaction::new(self.family);
+        }
+        let services = applied.services.len();
+        self.applied = Some(applied);
+        Ok(SyncReport {
+            full: true,
+            rewritten_services: services,
+            restore_bytes: bytes,
+            udp_endpoints_removed: true,
+            ..SyncReport::default()
+        })
+    }
+
+    /// Sends what changed since the last sync.
+    fn sync_changes(&mut self, state: &ProxyState) -> Result<SyncReport, NftError> {
+        let stale_delay = self.stale_delay;
+        let Some(applied) = self.applied.as_mut() else {
+            return Err(NftError("no programmed table to update".into()));
+        };
+        let now = Instant::now();
+        let mut plan = Plan::default();
+        let mut seen: HashSet<&ServicePortName> = HashSet::with_capacity(state.service_ports.len());
+        for sps in &state.service_ports {
+            let name = &sps.port.name;
+            seen.insert(name);
+            let old = applied.services.get(name);
+            if old == Some(sps) {
+                continue;
+            }
+            let old_objs = old.map(|o| ServiceObjects::from_ops(applied.renderer.service(o).ops));
+            if let Some(o) = old {
+                plan.udp_endpoints_removed |= lost_udp_endpoints(o, sps);
+            }
+            let new_objs = ServiceObjects::from_ops(applied.renderer.service(sps).ops);
+            plan_service(&mut plan, applied, name, old_objs, Some(new_objs));
+            applied.services.insert(name.clone(), sps.clone());
+        }
+        let gone: Vec<ServicePortName> = applied.services.keys().filter(|n| !seen.contains(n)).cloned().collect();
+        for name in gone {
+            if let Some(old) = applied.services.remove(&name) {
+                plan.udp_endpoints_removed |= old.port.protocol == Protocol::Udp;
+                let old_objs = ServiceObjects::from_ops(applied.renderer.service(&old).ops);
+                plan_service(&mut plan, applied, &name, Some(old_objs), None);
+            }
+        }
+        // Chains flushed long enough ago (and not used again) can go now.
+        let due: Vec<String> = applied
+            .stale_chains
+            .iter()
+            .filter(|(_, t)| now.duration_since(**t) >= stale_delay)
+            .map(|(c, _)| c.clone())
+            .collect();
+        let rewritten = plan.rewritten;
+        let udp = plan.udp_endpoints_removed;
+        let mut tx = Transaction::new(self.family);
+        let flushed_before = applied.stale_chains.len();
+        finish_plan(&mut tx, plan, applied, now);
+        let newly_stale = applied.stale_chains.len().saturating_sub(flushed_before);
+        for c in &due {
+            // Still stale (not revived by this transaction)?
+            if applied
+                .stale_chains
+                .get(c)
+                .is_some_and(|t| now.duration_since(*t) >= stale_delay)
+            {
+                tx.push(Op::DeleteChain(c.clone()));
+                applied.stale_chains.remove(c);
+            }
+        }
+        let deleted = tx.ops.iter().filter(|o| matches!(o, Op::DeleteChain(_))).count();
+        let size = tx.ops.len();
+        self.backend.apply(&tx)?;
+        Ok(SyncReport {
+            full: false,
+            rewritten_services: rewritten,
+            deleted_chains: deleted + newly_stale,
+            restore_bytes: size,
+            udp_endpoints_removed: udp,
+            ..SyncReport::default()
+        })
+    }
+}
+
+fn is_priority(name: &ServicePortName) -> bool {
+    PRIORITY_SERVICES
+        .iter()
+        .any(|(ns, n)| name.namespace == *ns && name.name == *n)
+}
+
+/// A UDP port lost an endpoint that served it (its conntrack entries may now be stale).
+fn lost_udp_endpoints(old: &ServicePortState, new: &ServicePortState) -> bool {
+    old.port.protocol == Protocol::Udp
+        && old.endpoints.iter().any(|e| {
+            e.ready
+                && !new
+                    .endpoints
+                    .iter()
+                    .any(|n| n.ip == e.ip && n.port == e.port && n.ready)
+        })
+}
+
+/// Adds to `plan` the commands that turn one service port's `old` objects into `new` ones,
+/// and records its element ownership in `applied`.
+fn plan_service(
+    plan: &mut Plan,
+    applied: &mut Applied,
+    owner: &ServicePortName,
+    old: Option<ServiceObjects>,
+    new: Option<ServiceObjects>,
+) {
+    plan.rewritten += 1;
+    let old = old.unwrap_or_default();
+    let new = new.unwrap_or_default();
+    let old_chains: HashMap<&str, &Vec<Rule>> = old.chains.iter().map(|(n, r)| (n.as_str(), r)).collect();
+    let new_names: HashSet<&str> = new.chains.iter().map(|(n, _)| n.as_str()).collect();
+
+    for decl in &new.sets {
+        if !old.sets.iter().any(|s| s.name == decl.name) {
+            plan.new_sets.push(Op::AddSet(decl.clone()));
+        }
+    }
+    for (name, rules) in &new.chains {
+        let revived = applied.stale_chains.remove(name).is_some();
+        match old_chains.get(name.as_str()) {
+            Some(old_rules) if *old_rules == rules && !revived => continue,
+            Some(_) => plan.chain_rules.push(Op::FlushChain(name.clone())),
+            // A revived chain was flushed when it went stale; `add chain` is a no-op then.
+            None => plan
+                .new_chains
+                .push(Op::AddChain(super::ast::ChainDecl::regular(name.clone()))),
+        }
+        for rule in rules {
+            plan.chain_rules.push(Op::AddRule {
+                chain: name.clone(),
+                rule: rule.clone(),
+            });
+        }
+    }
+    for (name, _) in &old.chains {
+        if !new_names.contains(name.as_str()) {
+            plan.stale_flushes.push(Op::FlushChain(name.clone()));
+        }
+    }
+    for decl in &old.sets {
+        if !new.sets.iter().any(|s| s.name == decl.name) {
+            plan.set_deletes.push(Op::DeleteSet {
+                name: decl.name.clone(),
+                map: decl.map,
+            });
+        }
+    }
+
+    for (set, element) in old.elements {
+        let k = (set, element.key);
+        remember_effective(plan, applied, &k);
+        if let Some(owners) = applied.elements.get_mut(&k) {
+            owners.remove(owner);
+            if owners.is_empty() {
+                applied.elements.remove(&k);
+            }
+        }
+    }
+    for (set, element) in new.elements {
+        let k = (set, element.key.clone());
+        remember_effective(plan, applied, &k);
+        applied.elements.entry(k).or_default().insert(owner.clone(), element);
+    }
+}
+
+fn effective(applied: &Applied, k: &(String, ElemKey)) -> Option<Element> {
+    applied
+        .elements
+        .get(k)
+        .and_then(|owners| owners.values().next_back().cloned())
+}
+
+fn remember_effective(plan: &mut Plan, applied: &Applied, k: &(String, ElemKey)) {
+    if !plan.touched.contains_key(k) {
+        plan.touched.insert(k.clone(), effective(applied, k));
+    }
+}
+
+/// Appends the plan's commands to `tx` in an order the kernel accepts: sets and chains
+/// first (rules and elements refer to them), rules, element changes, then the flushes and
+/// deletes of what is no longer referenced.
+fn finish_plan(tx: &mut Transaction, plan: Plan, applied: &mut Applied, now: Instant) {
+    tx.ops.extend(plan.new_sets);
+    tx.ops.extend(plan.new_chains);
+    tx.ops.extend(plan.chain_rules);
+    let mut adds = Vec::new();
+    for (k, before) in plan.touched {
+        let after = effective(applied, &k);
+        if before == after {
+            continue;
+        }
+        let (set, key) = k;
+        if before.is_some() {
+            tx.push(Op::DeleteElement {
+                set: set.clone(),
+                key: key.clone(),
+            });
+        }
+        if let Some(element) = after {
+            adds.push(Op::AddElement { set, element });
+        }
+    }
+    tx.ops.extend(adds);
+    for op in &plan.stale_flushes {
+        if let Op::FlushChain(name) = op {
+            applied.stale_chains.insert(name.clone(), now);
+        }
+    }
+    tx.ops.extend(plan.stale_flushes);
+    tx.ops.extend(plan.set_deletes);
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{IpAddr, Ipv4Addr};
+
+    use super::*;
+    use crate::model::{Endpoint, NodeInfo, ServicePort};
+    use crate::nftables::render::render_tx;
+
+    fn port(ns: &str, name: &str, ip: u8, proto: Protocol, endpoints: &[u8]) -> ServicePortState {
+        let spn = ServicePortName {
+            namespace: ns.into(),
+            name: name.into(),
+            port: "p".into(),
+            protocol: proto,
+        };
+        let mut eps: Vec<Endpoint> = endpoints
+            .iter()
+            .map(|e| Endpoint::ready(IpAddr::V4(Ipv4Addr::new(10, 244, 1, *e)), 8080))
+            .collect();
+        eps.sort_by_key(|e| e.to_string());
+        ServicePortState {
+            port: ServicePort::cluster_ip(spn, IpAddr::V4(Ipv4Addr::new(10, 96, 0, ip)), 80),
+            endpoints: eps,
+        }
+    }
+
+    fn state(ports: Vec<ServicePortState>) -> ProxyState {
+        let mut ports = ports;
+        ports.sort_by(|a, b| a.port.name.cmp(&b.port.name));
+        ProxyState {
+            family: IpFamily::V4,
+            node: NodeInfo {
+                name: "node-a".into(),
+                ..NodeInfo::default()
+            },
+            service_ports: ports,
+            service_cidrs: vec!["10.96.0.0/16".parse().unwrap()],
+            warnings: vec![],
+        }
+    }
+
+    fn proxier() -> (NftProxier, RecordingBackend) {
+        let rec = RecordingBackend::default();
+        let p = NftProxier::with_backend(IpFamily::V4, RenderOptions::default(), Box::new(rec.clone()));
+        (p, rec)
+    }
+
+    /// The table a full render of `st` builds in an empty namespace.
+    fn expected(st: &ProxyState) -> Ruleset {
+        Ruleset::from_transaction(&render_tx(st, &RenderOptions::default(), true)).unwrap()
+    }
+
+    fn table(rec: &RecordingBackend) -> Ruleset {
+        rec.recorded().tables[&IpFamily::V4].clone()
+    }
+
+    /// The table without chains that are empty and unreferenced (flushed, awaiting deletion).
+    fn without_flushed(mut r: Ruleset) -> Ruleset {
+        let referenced: HashSet<String> = r
+            .chains
+            .values()
+            .flat_map(|c| c.rules.iter().flat_map(|r| r.targets()).map(str::to_string))
+            .chain(r.sets.values().flat_map(|s| {
+                s.elements
+                    .values()
+                    .filter_map(|e| e.value.as_ref()?.chain().map(str::to_string))
+            }))
+            .collect();
+        r.chains
+            .retain(|name, c| !c.rules.is_empty() || referenced.contains(name) || c.decl.base.is_some());
+        r
+    }
+
+    #[test]
+    fn full_sync_builds_what_a_full_render_builds_in_bounded_transactions() {
+        let (mut p, rec) = proxier();
+        p.set_max_ops_per_transaction(10);
+        let mut ports: Vec<ServicePortState> = (1..=6)
+            .map(|i| port("ns", &format!("s{i}"), i, Protocol::Tcp, &[1, 2]))
+            .collect();
+        ports.push(port("default", "kubernetes", 1, Protocol::Tcp, &[9]));
+        ports.push(port("kube-system", "kube-dns", 10, Protocol::Udp, &[]));
+        let st = state(ports);
+        let report = p.sync(&st).unwrap();
+        assert!(report.full);
+        assert_eq!(table(&rec), expected(&st));
+        let r = rec.recorded();
+        assert!(r.applied.len() > 2, "{} transactions", r.applied.len());
+        // The first transaction resets the table and programs the priority services.
+        let first = r.applied[0].text();
+        assert!(first.starts_with("add table ip kube-proxy"));
+        assert!(first.contains("delete table ip kube-proxy"));
+        assert!(first.contains("default/kubernetes"), "{first}");
+        assert!(first.contains("kube-system/kube-dns"), "{first}");
+        assert!(!first.contains("ns/s6"));
+    }
+
+    #[test]
+    fn unchanged_state_sends_nothing_and_changes_send_only_their_objects() {
+        let (mut p, rec) = proxier();
+        let a = port("ns", "a", 1, Protocol::Tcp, &[1, 2]);
+        let b = port("ns", "b", 2, Protocol::Tcp, &[3]);
+        p.sync(&state(vec![a.clone(), b.clone()])).unwrap();
+        let n = rec.recorded().applied.len();
+        let report = p.sync(&state(vec![a.clone(), b.clone()])).unwrap();
+        assert!(!report.full);
+        assert_eq!(report.rewritten_services, 0);
+        assert!(rec.recorded().applied[n].is_empty());
+
+        // One more endpoint for `a`: one new endpoint chain, the service chain rewritten, no
+        // element touched (the service-ips verdict stays), nothing of `b`.
+        let a2 = port("ns", "a", 1, Protocol::Tcp, &[1, 2, 3]);
+        let st = state(vec![a2.clone(), b.clone()]);
+        let report = p.sync(&st).unwrap();
+        assert_eq!(report.rewritten_services, 1);
+        let text = rec.recorded().applied.last().unwrap().text();
+        assert_eq!(text.matches("add chain").count(), 1, "{text}");
+        assert_eq!(text.matches("flush chain").count(), 1, "{text}");
+        assert!(!text.contains("element"), "{text}");
+        assert!(!text.contains("ns/b"), "{text}");
+        assert_eq!(table(&rec), expected(&st));
+    }
+
+    #[test]
+    fn losing_endpoints_swaps_elements_and_deletes_flushed_chains_a_second_later() {
+        let (mut p, rec) = proxier();
+        let a = port("ns", "a", 1, Protocol::Udp, &[1, 2]);
+        p.sync(&state(vec![a])).unwrap();
+        let none = port("ns", "a", 1, Protocol::Udp, &[]);
+        let st = state(vec![none]);
+        let report = p.sync(&st).unwrap();
+        assert!(report.udp_endpoints_removed);
+        let text = rec.recorded().applied.last().unwrap().text();
+        assert!(text.contains("delete element ip kube-proxy service-ips"), "{text}");
+        assert!(
+            text.contains("add element ip kube-proxy no-endpoint-services"),
+            "{text}"
+        );
+        assert!(!text.contains("delete chain"), "{text}");
+        // Flushed, still there, and not referenced.
+        assert_eq!(without_flushed(table(&rec)), expected(&st));
+        assert!(table(&rec).chains.len() > expected(&st).chains.len());
+        let due = p.next_cleanup().expect("a cleanup is scheduled");
+        assert!(due > Instant::now());
+        // Not before the delay...
+        p.sync(&st).unwrap();
+        assert!(table(&rec).chains.len() > expected(&st).chains.len());
+        // ...and after it, a sync without changes deletes them.
+        p.set_stale_chain_delay(Duration::ZERO);
+        p.sync(&st).unwrap();
+        assert_eq!(table(&rec), expected(&st));
+        assert!(p.next_cleanup().is_none());
+    }
+
+    #[test]
+    fn a_chain_coming_back_before_its_deletion_is_kept() {
+        let (mut p, rec) = proxier();
+        let a = port("ns", "a", 1, Protocol::Tcp, &[1, 2]);
+        p.sync(&state(vec![a.clone()])).unwrap();
+        p.sync(&state(vec![port("ns", "a", 1, Protocol::Tcp, &[1])])).unwrap();
+        let st = state(vec![a]);
+        p.sync(&st).unwrap();
+        assert_eq!(table(&rec), expected(&st));
+        assert!(p.next_cleanup().is_none());
+    }
+
+    #[test]
+    fn removed_services_and_shared_cluster_ips() {
+        let (mut p, rec) = proxier();
+        // Two ports of one Service share the ClusterIP in cluster-ips.
+        let mut http = port("ns", "web", 5, Protocol::Tcp, &[1]);
+        http.port.name.port = "http".into();
+        let mut https = port("ns", "web", 5, Protocol::Tcp, &[1]);
+        https.port.name.port = "https".into();
+        https.port.port = 443;
+        p.sync(&state(vec![http.clone(), https])).unwrap();
+        let st = state(vec![http]);
+        p.sync(&st).unwrap();
+        let text = rec.recorded().applied.last().unwrap().text();
+        assert!(!text.contains("cluster-ips"), "{text}");
+        assert_eq!(without_flushed(table(&rec)), expected(&st));
+        let st = state(vec![]);
+        p.sync(&st).unwrap();
+        assert_eq!(without_flushed(table(&rec)), expected(&st));
+    }
+
+    #[test]
+    fn failure_rebuilds_the_table_and_options_changes_are_full_syncs() {
+        let (mut p, rec) = proxier();
+        let st = state(vec![port("ns", "a", 1, Protocol::Tcp, &[1])]);
+        p.sync(&st).unwrap();
+        rec.recorded().fail_next = true;
+        let st2 = state(vec![port("ns", "a", 1, Protocol::Tcp, &[1, 2])]);
+        assert!(p.sync(&st2).is_err());
+        let report = p.sync(&st2).unwrap();
+        assert!(report.full);
+        assert_eq!(table(&rec), expected(&st2));
+        p.set_options(RenderOptions {
+            masquerade_all: true,
+            ..RenderOptions::default()
+        });
+        assert!(p.sync(&st2).unwrap().full);
+    }
+
+    /// One random service port: (index, protocol, endpoint bits, local bits, affinity,
+    /// NodePort, ETP Local, LoadBalancer with source ranges).
+    type Spec = (u8, u8, u8, u8, bool, bool, bool, bool);
+
+    fn build(specs: &[Spec]) -> ProxyState {
+        let mut seen = HashSet::new();
+        let mut ports = Vec::new();
+        for &(i, proto, eps, local, affinity, node_port, etp_local, lb) in specs {
+            if !seen.insert(i) {
+                continue;
+            }
+            let proto = [Protocol::Tcp, Protocol::Udp, Protocol::Sctp][usize::from(proto % 3)];
+            // Two Services share a ClusterIP (different ports) to exercise shared elements.
+            let mut p = port("ns", &format!("s{i}"), i / 2 + 1, proto, &[]);
+            p.port.port = 80 + u16::from(i);
+            p.endpoints = (0..5u8)
+                .filter(|b| eps & (1 << b) != 0)
+                .map(|b| {
+                    let mut e = Endpoint::ready(IpAddr::V4(Ipv4Addr::new(10, 244, 1, b + 1)), 8080);
+                    e.is_local = local & (1 << b) != 0;
+                    e
+                })
+                .collect();
+            p.port.session_affinity_timeout = affinity.then_some(10800);
+            if node_port {
+                p.port.node_port = 30000 + u16::from(i);
+            }
+            p.port.external_policy_local = etp_local && node_port;
+            if lb {
+                p.port.load_balancer_vips = vec![IpAddr::V4(Ipv4Addr::new(203, 0, 113, i))];
+                p.port.load_balancer_source_ranges = vec!["192.0.2.0/24".parse().unwrap()];
+            }
+            ports.push(p);
+        }
+        state(ports)
+    }
+
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Whatever sequence of states it is given, the incremental proxier leaves the table
+        /// a full render would build (once flushed chains are deleted).
+        #[test]
+        fn incremental_syncs_converge_to_the_full_render(
+            steps in proptest::collection::vec(
+                proptest::collection::vec(any::<Spec>().prop_map(|mut s| { s.0 %= 6; s }), 0..6),
+                1..6,
+            )
+        ) {
+            let (mut p, rec) = proxier();
+            for specs in &steps {
+                let st = build(specs);
+                p.sync(&st).map_err(|e| TestCaseError::fail(e.to_string()))?;
+                prop_assert_eq!(without_flushed(table(&rec)), without_flushed(expected(&st)));
+            }
+            p.set_stale_chain_delay(Duration::ZERO);
+            let last = build(steps.last().unwrap());
+            p.sync(&last).map_err(|e| TestCaseError::fail(e.to_string()))?;
+            prop_assert_eq!(table(&rec), expected(&last));
         }
     }
 }

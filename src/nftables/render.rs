@@ -252,6 +252,7 @@ fn goto(chain: &str) -> Verdict {
 }
 
 /// Everything that is the same for every service port during one sync.
+#[derive(Clone, Debug, PartialEq, Eq)]
 struct Ctx {
     family: IpFamily,
     /// `ip daddr != 127.0.0.0/8` / `ip6 daddr != ::1`
@@ -348,6 +349,37 @@ pub fn render_parts(state: &ProxyState, opts: &RenderOptions, first_sync: bool) 
     RenderedParts {
         setup: setup_tx,
         services,
+    }
+}
+
+/// Renders the parts of a transaction one at a time, for a proxier that sends only what
+/// changed. Two renderers compare equal when every part they render would be the same for
+/// equal service ports (same node, options and ServiceCIDRs).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServiceRenderer {
+    ctx: Ctx,
+}
+
+impl ServiceRenderer {
+    pub fn new(state: &ProxyState, opts: &RenderOptions) -> ServiceRenderer {
+        ServiceRenderer {
+            ctx: Ctx::new(state, opts),
+        }
+    }
+
+    /// The table, base and fixed chains, sets and maps (and their flushes) of a full sync.
+    pub fn setup(&self, first_sync: bool) -> Transaction {
+        let mut tx = Tx::new(self.ctx.family);
+        setup(&mut tx, &self.ctx, first_sync);
+        tx.tx
+    }
+
+    /// The commands that create one service port's chains, sets and elements on their own
+    /// (element de-duplication only within this service port).
+    pub fn service(&self, sps: &ServicePortState) -> Transaction {
+        let mut tx = Tx::new(self.ctx.family);
+        render_service(&mut tx, &self.ctx, sps);
+        tx.tx
     }
 }
 
