@@ -1,8 +1,18 @@
-//! Benchmark of the nftables mode as it is today (every sync replaces the table in one
-//! transaction). Needs root; runs in network namespaces of its own. For `SERVICES` (default
-//! 1,000) × `ENDPOINTS` (default 10) it reports: render time, `nft -f` alone on the same
-//! transaction in a fresh namespace (the floor), a cold sync by the proxier, and one endpoint
-//! change (p50/p99 of `CHANGES`, default 10). Run with `cargo bench --bench nft_sync`.
+//! Benchmark of the nftables mode. Needs root; every case runs in a network namespace of its
+//! own (`unshare(CLONE_NEWNET)`), so nothing touches the machine's rules.
+//!
+//! For each size in `SIZES` (default `10000x10,44000x1,5000x50`: Services × endpoints) and
+//! each backend in `BACKENDS` (default `netlink,nft`) it reports:
+//! - render: the model → one full transaction (what `kube-proxy render` prints);
+//! - floor: `nft -f` alone on the same bounded transactions the proxier sends in a cold
+//!   sync (captured first, then piped to `nft -f -` one by one in a fresh namespace);
+//! - cold: a cold full sync by the proxier (empty namespace → every rule live), and its
+//!   ratio to the floor;
+//! - change: one Service's endpoint replaced, made live by an incremental sync, p50/p99
+//!   over `CHANGES` (default 100).
+//!
+//! Run with `cargo bench --bench nft_sync`. `FLOOR=0` skips the floor (it is slow with
+//! `nft`: it lists every chain before each transaction).
 
 use std::io::Write;
 use std::process::{Command, Stdio};
@@ -10,38 +20,47 @@ use std::time::{Duration, Instant};
 
 use kube_proxy::config::LocalDetector;
 use kube_proxy::iptables::RenderOptions;
-use kube_proxy::model::{IpFamily, synthetic};
-use kube_proxy::nftables::{proxier::NftProxier, render};
+use kube_proxy::model::{IpFamily, ProxyState, synthetic};
+use kube_proxy::nftables::ast::Transaction;
+use kube_proxy::nftables::proxier::{NftBackend, NftCommand, NftError, NftProxier};
+use kube_proxy::nftables::render_transaction;
 use nix::sched::{CloneFlags, unshare};
 
-fn env(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+fn env(name: &str, default: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| default.to_string())
 }
 
 fn ms(d: Duration) -> String {
     format!("{:.1} ms", d.as_secs_f64() * 1000.0)
 }
 
-fn main() {
-    let (services, endpoints, changes) = (env("SERVICES", 1000), env("ENDPOINTS", 10), env("CHANGES", 10));
-    let opts = RenderOptions {
-        local_detector: LocalDetector::Cidr("10.244.0.0/16".into()),
-        ..RenderOptions::default()
-    };
-    let state = synthetic::state(services, endpoints);
-    println!("{services} Services x {endpoints} endpoints, nftables mode (whole-table transactions)");
-
-    let t = Instant::now();
-    let text = render(&state, &opts);
-    println!(
-        "{:<48} {:>12}   ({} lines)",
-        "render",
-        ms(t.elapsed()),
-        text.lines().count()
-    );
-
+fn fresh_namespace() {
     unshare(CloneFlags::CLONE_NEWNET).expect("unshare(CLONE_NEWNET) needs root");
-    let t = Instant::now();
+}
+
+fn backend(name: &str) -> Box<dyn NftBackend> {
+    match name {
+        "nft" => Box::new(NftCommand),
+        "netlink" => unimplemented!("netlink backend"),
+        other => panic!("unknown backend {other} (netlink, nft)"),
+    }
+}
+
+/// Captures transactions without applying them.
+#[derive(Default)]
+struct Capture(std::sync::Arc<std::sync::Mutex<Vec<Transaction>>>);
+
+impl NftBackend for Capture {
+    fn apply(&mut self, tx: &Transaction) -> Result<(), NftError> {
+        self.0.lock().expect("capture").push(tx.clone());
+        Ok(())
+    }
+    fn table_exists(&mut self, _: IpFamily) -> Result<bool, NftError> {
+        Ok(true)
+    }
+}
+
+fn nft_f(text: &str) {
     let mut child = Command::new("nft")
         .args(["-f", "-"])
         .stdin(Stdio::piped())
@@ -54,44 +73,115 @@ fn main() {
         .write_all(text.as_bytes())
         .expect("write");
     assert!(child.wait().expect("wait").success(), "nft -f failed");
-    println!(
-        "{:<48} {:>12}",
-        "nft -f alone, same transaction (floor)",
-        ms(t.elapsed())
+}
+
+fn change(current: &mut ProxyState, round: usize, endpoints: usize) {
+    let services = current.service_ports.len();
+    let idx = (round * 7919) % services;
+    let name = current.service_ports[idx].port.name.name.clone();
+    let i: usize = name.trim_start_matches("svc").parse().expect("synthetic name");
+    let mut eps = current.service_ports[idx].endpoints.clone();
+    eps.pop();
+    eps.extend(
+        synthetic::service(i, endpoints, 1 + round as u32)
+            .endpoints
+            .into_iter()
+            .take(1),
     );
+    eps.sort_by_key(|e| e.to_string());
+    current.service_ports[idx].endpoints = eps;
+}
 
-    unshare(CloneFlags::CLONE_NEWNET).expect("second namespace");
-    let mut proxier = NftProxier::new(IpFamily::V4, opts);
-    let t = Instant::now();
-    proxier.sync(&state).expect("cold sync");
-    println!("{:<48} {:>12}", "cold sync by the proxier", ms(t.elapsed()));
-
-    let mut current = state.clone();
-    let mut times = Vec::new();
-    for round in 0..changes {
-        let idx = (round * 7919) % services;
-        let name = current.service_ports[idx].port.name.name.clone();
-        let i: usize = name.trim_start_matches("svc").parse().expect("synthetic name");
-        let mut eps = current.service_ports[idx].endpoints.clone();
-        eps.pop();
-        eps.extend(
-            synthetic::service(i, endpoints, 1 + round as u32)
-                .endpoints
-                .into_iter()
-                .take(1),
-        );
-        eps.sort_by_key(|e| e.to_string());
-        current.service_ports[idx].endpoints = eps;
+fn main() {
+    let sizes = env("SIZES", "10000x10,44000x1,5000x50");
+    let backends = env("BACKENDS", "netlink,nft");
+    let changes: usize = env("CHANGES", "100").parse().expect("CHANGES");
+    let floor = env("FLOOR", "1") != "0";
+    let opts = RenderOptions {
+        local_detector: LocalDetector::Cidr("10.244.0.0/16".into()),
+        ..RenderOptions::default()
+    };
+    let mut summary = Vec::new();
+    for size in sizes.split(',') {
+        let (s, e) = size.split_once('x').expect("SIZES like 10000x10");
+        let (services, endpoints): (usize, usize) = (s.parse().expect("services"), e.parse().expect("endpoints"));
+        let state = synthetic::state(services, endpoints);
+        println!("== {services} Services x {endpoints} endpoints");
         let t = Instant::now();
-        proxier.sync(&current).expect("change");
-        times.push(t.elapsed());
+        let text = render_transaction(&state, &opts, true);
+        println!(
+            "{:<44} {:>12}   ({} lines)",
+            "render (one full transaction)",
+            ms(t.elapsed()),
+            text.lines().count()
+        );
+        drop(text);
+
+        let mut floor_time = None;
+        if floor {
+            let captured = Capture::default();
+            let txs = captured.0.clone();
+            let mut p = NftProxier::with_backend(IpFamily::V4, opts.clone(), Box::new(captured));
+            p.sync(&state).expect("capture");
+            let txs = std::mem::take(&mut *txs.lock().expect("capture"));
+            let texts: Vec<String> = txs.iter().map(Transaction::text).collect();
+            fresh_namespace();
+            let t = Instant::now();
+            for text in &texts {
+                nft_f(text);
+            }
+            let d = t.elapsed();
+            println!(
+                "{:<44} {:>12}   ({} transactions)",
+                "floor: nft -f alone, same transactions",
+                ms(d),
+                texts.len()
+            );
+            floor_time = Some(d);
+        }
+
+        for b in backends.split(',') {
+            fresh_namespace();
+            let mut p = NftProxier::with_backend(IpFamily::V4, opts.clone(), backend(b));
+            let t = Instant::now();
+            p.sync(&state).expect("cold sync");
+            let cold = t.elapsed();
+            let ratio = floor_time.map_or(String::new(), |f| {
+                format!("   ({:.2}x the floor)", cold.as_secs_f64() / f.as_secs_f64())
+            });
+            println!("{:<44} {:>12}{ratio}", format!("cold sync, {b}"), ms(cold));
+
+            let mut current = state.clone();
+            let mut times = Vec::new();
+            for round in 0..changes {
+                change(&mut current, round, endpoints);
+                let t = Instant::now();
+                p.sync(&current).expect("change");
+                times.push(t.elapsed());
+            }
+            times.sort();
+            let pct = |q: f64| times[((times.len() as f64 - 1.0) * q).round() as usize];
+            println!(
+                "{:<44} {:>12}   p99 {}  (n = {changes})",
+                format!("one endpoint change p50, {b}"),
+                ms(pct(0.5)),
+                ms(pct(0.99))
+            );
+            summary.push(format!(
+                "| {services} × {endpoints} | {b} | {} | {} | {} | {} | {} |",
+                floor_time.map_or("–".into(), ms),
+                ms(cold),
+                floor_time.map_or("–".into(), |f| format!("{:.2}", cold.as_secs_f64() / f.as_secs_f64())),
+                ms(pct(0.5)),
+                ms(pct(0.99)),
+            ));
+        }
     }
-    times.sort();
-    let p = |q: f64| times[((times.len() as f64 - 1.0) * q).round() as usize];
     println!(
-        "{:<48} {:>12}   p99 {}  (n = {changes})",
-        "one endpoint change p50",
-        ms(p(0.5)),
-        ms(p(0.99))
+        "\n| Services × endpoints | backend | floor (nft -f, same transactions) | cold sync | ratio | change p50 | change p99 |"
     );
+    println!("|---|---|---|---|---|---|---|");
+    for line in summary {
+        println!("{line}");
+    }
 }

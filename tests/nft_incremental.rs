@@ -1,0 +1,207 @@
+//! The incremental nftables proxier against the real kernel: random sequences of states are
+//! synced one after the other (every transaction must be accepted), and the table the
+//! kernel ends with must list exactly like a fresh full render applied by `nft -f`.
+//! Each side runs in a thread that unshared its own network namespace (gone with the
+//! thread), never in the root namespace.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::net::{IpAddr, Ipv4Addr};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use kube_proxy::config::LocalDetector;
+use kube_proxy::iptables::render::RenderOptions;
+use kube_proxy::model::{
+    Endpoint, IpFamily, NodeInfo, Protocol, ProxyState, ServicePort, ServicePortName, ServicePortState,
+};
+use kube_proxy::nftables::proxier::{NftBackend, NftCommand, NftProxier};
+use kube_proxy::nftables::render_transaction;
+use nix::sched::{CloneFlags, unshare};
+use serde_json::Value;
+
+fn opts() -> RenderOptions {
+    RenderOptions {
+        local_detector: LocalDetector::Cidr("10.244.0.0/16".into()),
+        ..RenderOptions::default()
+    }
+}
+
+/// A deterministic pseudo-random state: `seed` picks which of 12 Services exist, their
+/// endpoints (some local), affinity, NodePorts, ETP Local and LoadBalancer source ranges.
+fn state(seed: u64) -> ProxyState {
+    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let mut ports = Vec::new();
+    for i in 0..12u8 {
+        let r = next();
+        if r % 4 == 0 {
+            continue;
+        }
+        let protocol = [Protocol::Tcp, Protocol::Udp, Protocol::Sctp][(r >> 3) as usize % 3];
+        let name = ServicePortName {
+            namespace: "ns".into(),
+            name: format!("s{i}"),
+            port: "p".into(),
+            protocol,
+        };
+        // Pairs of Services share a ClusterIP on different ports.
+        let mut port =
+            ServicePort::cluster_ip(name, IpAddr::V4(Ipv4Addr::new(10, 96, 0, i / 2 + 1)), 80 + u16::from(i));
+        if r & (1 << 8) != 0 {
+            port.session_affinity_timeout = Some(10800);
+        }
+        if r & (1 << 9) != 0 {
+            port.node_port = 30000 + u16::from(i);
+            port.external_policy_local = r & (1 << 10) != 0;
+        }
+        if r & (1 << 11) != 0 {
+            port.load_balancer_vips = vec![IpAddr::V4(Ipv4Addr::new(203, 0, 113, i))];
+            port.load_balancer_source_ranges = vec!["192.0.2.0/24".parse().expect("cidr")];
+        }
+        let mut endpoints: Vec<Endpoint> = (0..6u8)
+            .filter(|b| r & (1 << (16 + b)) != 0)
+            .map(|b| {
+                let mut e = Endpoint::ready(IpAddr::V4(Ipv4Addr::new(10, 244, 1, b + 1)), 8080);
+                e.is_local = r & (1 << (24 + b)) != 0;
+                e
+            })
+            .collect();
+        endpoints.sort_by_key(|e| e.to_string());
+        ports.push(ServicePortState { port, endpoints });
+    }
+    ports.sort_by(|a, b| a.port.name.cmp(&b.port.name));
+    ProxyState {
+        family: IpFamily::V4,
+        node: NodeInfo {
+            name: "node-a".into(),
+            addresses: vec![IpAddr::V4(Ipv4Addr::new(192, 168, 49, 2))],
+            ..NodeInfo::default()
+        },
+        service_ports: ports,
+        service_cidrs: vec!["10.96.0.0/16".parse().expect("cidr")],
+        warnings: vec![],
+    }
+}
+
+/// `nft -j list table ip kube-proxy`, normalised: handles dropped, set elements sorted,
+/// objects keyed by kind and name, rules kept in order per chain.
+fn listing() -> BTreeMap<String, Value> {
+    let out = Command::new("nft")
+        .args(["-j", "list", "table", "ip", "kube-proxy"])
+        .output()
+        .expect("nft runs");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).expect("nft -j prints JSON");
+    fn strip(v: &mut Value) {
+        match v {
+            Value::Object(m) => {
+                m.remove("handle");
+                for (k, val) in m.iter_mut() {
+                    strip(val);
+                    if k == "elem"
+                        && let Value::Array(a) = val
+                    {
+                        a.sort_by_key(|e| e.to_string());
+                    }
+                }
+            }
+            Value::Array(a) => a.iter_mut().for_each(strip),
+            _ => {}
+        }
+    }
+    let mut out = BTreeMap::new();
+    let mut rules: BTreeMap<String, Vec<Value>> = BTreeMap::new();
+    for mut obj in v["nftables"].as_array().cloned().unwrap_or_default() {
+        strip(&mut obj);
+        let Some((kind, body)) = obj.as_object().and_then(|m| m.iter().next()) else {
+            continue;
+        };
+        match kind.as_str() {
+            "metainfo" => {}
+            "rule" => rules
+                .entry(body["chain"].as_str().unwrap_or_default().to_string())
+                .or_default()
+                .push(body.clone()),
+            _ => {
+                out.insert(
+                    format!("{kind} {}", body["name"].as_str().unwrap_or_default()),
+                    body.clone(),
+                );
+            }
+        }
+    }
+    for (chain, rs) in rules {
+        out.insert(format!("rules {chain}"), Value::Array(rs));
+    }
+    out
+}
+
+/// Runs `f` in a thread with a network namespace of its own.
+fn in_fresh_namespace<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    std::thread::spawn(move || {
+        unshare(CloneFlags::CLONE_NEWNET).expect("unshare(CLONE_NEWNET) needs root");
+        f()
+    })
+    .join()
+    .expect("namespace thread")
+}
+
+fn reference(st: ProxyState) -> BTreeMap<String, Value> {
+    in_fresh_namespace(move || {
+        let text = render_transaction(&st, &opts(), true);
+        let mut child = Command::new("nft")
+            .args(["-f", "-"])
+            .stdin(Stdio::piped())
+            .spawn()
+            .expect("nft runs");
+        child
+            .stdin
+            .take()
+            .expect("stdin")
+            .write_all(text.as_bytes())
+            .expect("write");
+        assert!(child.wait().expect("wait").success());
+        listing()
+    })
+}
+
+fn incremental_matches_full_render(backend: fn() -> Box<dyn NftBackend>) {
+    for run in 0..4u64 {
+        let seeds: Vec<u64> = (0..6).map(|i| run * 100 + i).collect();
+        let last = state(*seeds.last().expect("seeds"));
+        let got = in_fresh_namespace(move || {
+            let mut p = NftProxier::with_backend(IpFamily::V4, opts(), backend());
+            // Small transactions, so full syncs are split too.
+            p.set_max_ops_per_transaction(40);
+            for s in &seeds {
+                let st = state(*s);
+                if let Err(e) = p.sync(&st) {
+                    panic!("sync of state {s} failed: {e}");
+                }
+            }
+            p.set_stale_chain_delay(Duration::ZERO);
+            p.sync(&state(*seeds.last().expect("seeds"))).expect("final sync");
+            listing()
+        });
+        let want = reference(last);
+        assert_eq!(
+            got.keys().collect::<Vec<_>>(),
+            want.keys().collect::<Vec<_>>(),
+            "run {run}: objects differ"
+        );
+        for (k, v) in &want {
+            assert_eq!(&got[k], v, "run {run}: {k} differs");
+        }
+    }
+}
+
+#[test]
+fn incremental_syncs_with_nft_match_a_full_render() {
+    incremental_matches_full_render(|| Box::new(NftCommand));
+}
