@@ -506,11 +506,11 @@ impl Changes {
 
 /// Compares two snapshots object by object (a reload that changed nothing costs no sync).
 fn changes(old: Option<&Objects>, new: &Objects) -> Changes {
-    fn by_key<
-        T: serde::Serialize + k8s_openapi::Metadata<Ty = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>,
-    >(
+    type Key = (String, String);
+    // Objects compare with `==` (no serialisation): this runs on every event.
+    fn by_key<T: k8s_openapi::Metadata<Ty = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>>(
         list: &[T],
-    ) -> BTreeMap<(String, String), String> {
+    ) -> BTreeMap<Key, &T> {
         list.iter()
             .map(|o| {
                 let m = o.metadata();
@@ -518,12 +518,12 @@ fn changes(old: Option<&Objects>, new: &Objects) -> Changes {
                     m.namespace.clone().unwrap_or_default(),
                     m.name.clone().unwrap_or_default(),
                 );
-                (key, serde_json::to_string(o).unwrap_or_default())
+                (key, o)
             })
             .collect()
     }
-    fn diff(a: &BTreeMap<(String, String), String>, b: &BTreeMap<(String, String), String>) -> Vec<(String, String)> {
-        let mut keys: BTreeSet<&(String, String)> = a.keys().collect();
+    fn diff<T: PartialEq>(a: &BTreeMap<Key, &T>, b: &BTreeMap<Key, &T>) -> Vec<Key> {
+        let mut keys: BTreeSet<&Key> = a.keys().collect();
         keys.extend(b.keys());
         keys.into_iter().filter(|k| a.get(*k) != b.get(*k)).cloned().collect()
     }
