@@ -41,7 +41,7 @@ fn fresh_namespace() {
 fn backend(name: &str) -> Box<dyn NftBackend> {
     match name {
         "nft" => Box::new(NftCommand),
-        "netlink" => unimplemented!("netlink backend"),
+        "netlink" => Box::new(kube_proxy::nftables::netlink::NftSocket::new().expect("netlink socket")),
         other => panic!("unknown backend {other} (netlink, nft)"),
     }
 }

@@ -87,11 +87,11 @@ enum Dataplane {
 }
 
 impl Dataplane {
-    fn new(cfg: &ProxyConfig, family: IpFamily, opts: RenderOptions) -> Dataplane {
-        match cfg.mode {
-            ProxyMode::Nftables => Dataplane::Nftables(NftProxier::new(family, opts)),
+    fn new(cfg: &ProxyConfig, family: IpFamily, opts: RenderOptions) -> anyhow::Result<Dataplane> {
+        Ok(match cfg.mode {
+            ProxyMode::Nftables => Dataplane::Nftables(NftProxier::netlink(family, opts)?),
             _ => Dataplane::Iptables(Box::new(Proxier::new(Exec::new(family), opts))),
-        }
+        })
     }
 
     /// Our canaries (iptables) or our table (nftables) are still there.
@@ -197,12 +197,14 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
     remove_other_modes(cfg.mode);
     let mut proxiers: Vec<FamilyProxier> = families()
         .into_iter()
-        .map(|family| FamilyProxier {
-            family,
-            proxier: Dataplane::new(cfg, family, options(cfg, family, &Objects::default())),
-            pending: true,
+        .map(|family| {
+            Ok(FamilyProxier {
+                family,
+                proxier: Dataplane::new(cfg, family, options(cfg, family, &Objects::default()))?,
+                pending: true,
+            })
         })
-        .collect();
+        .collect::<anyhow::Result<_>>()?;
 
     let mut last_sync: Option<Instant> = None;
     let mut retry_at: Option<Instant> = None;

@@ -205,3 +205,10 @@ fn incremental_matches_full_render(backend: fn() -> Box<dyn NftBackend>) {
 fn incremental_syncs_with_nft_match_a_full_render() {
     incremental_matches_full_render(|| Box::new(NftCommand));
 }
+
+#[test]
+fn incremental_syncs_over_netlink_match_a_full_render() {
+    incremental_matches_full_render(|| {
+        Box::new(kube_proxy::nftables::netlink::NftSocket::new().expect("netlink socket"))
+    });
+}

@@ -93,6 +93,16 @@ pub struct Recorded {
     pub fail_next: bool,
 }
 
+impl NftBackend for super::netlink::NftSocket {
+    fn apply(&mut self, tx: &Transaction) -> Result<(), NftError> {
+        super::netlink::NftSocket::apply(self, tx).map_err(|e| NftError(e.to_string()))
+    }
+
+    fn table_exists(&mut self, family: IpFamily) -> Result<bool, NftError> {
+        super::netlink::NftSocket::table_exists(self, family).map_err(|e| NftError(format!("listing tables: {e}")))
+    }
+}
+
 /// A backend that records transactions and applies them to a model of the kernel's table,
 /// refusing what the kernel would refuse. Clones share the record.
 #[derive(Clone, Debug, Default)]
@@ -242,9 +252,18 @@ pub struct NftProxier {
 }
 
 impl NftProxier {
-    /// A proxier that programs the kernel through `nft -f -`.
+    /// A proxier that programs the kernel through `nft -f -` (slower: `nft` lists every
+    /// chain before each transaction; tests and comparisons).
     pub fn new(family: IpFamily, opts: RenderOptions) -> NftProxier {
         NftProxier::with_backend(family, opts, Box::new(NftCommand))
+    }
+
+    /// A proxier that programs the kernel over netlink (see [`super::netlink`] for why not
+    /// `nft -f`), in the calling thread's network namespace. What the daemon uses.
+    pub fn netlink(family: IpFamily, opts: RenderOptions) -> Result<NftProxier, NftError> {
+        let socket = super::netlink::NftSocket::new()
+            .map_err(|e| NftError(format!("opening the nftables netlink socket: {e}")))?;
+        Ok(NftProxier::with_backend(family, opts, Box::new(socket)))
     }
 
     pub fn with_backend(family: IpFamily, opts: RenderOptions, backend: Box<dyn NftBackend>) -> NftProxier {

@@ -1,0 +1,457 @@
+//! The thin edge: a `NETLINK_NETFILTER` socket that sends one encoded batch per transaction in
+//! a single `send` and reads back what the kernel said about it.
+//!
+//! The kernel processes a batch synchronously inside `sendmsg` and queues its replies on our
+//! socket before `send` returns: an error for each message that failed (the whole batch is then
+//! aborted) and an acknowledgement for the last command message, which is the only one that
+//! asks for it. So after `send` the replies are drained without blocking, and the batch
+//! committed iff none of them is an error.
+
+use std::io;
+use std::os::fd::AsFd;
+
+use netlink_sys::{Socket, SocketAddr as NlSocketAddr, protocols::NETLINK_NETFILTER};
+use nix::errno::Errno;
+use nix::sys::socket::{setsockopt, sockopt};
+
+use super::encode::{self, AnonSetNames, CheckError, EncodedBatch};
+use super::wire::*;
+use crate::model::IpFamily;
+use crate::nftables::ast::Transaction;
+use crate::nftables::names::TABLE;
+
+/// Receive buffer to start with; raised for big batches (errors come one datagram per failed
+/// message).
+const MIN_RCVBUF: usize = 1 << 20;
+/// Upper bound for the receive buffer: beyond it, lost replies are reported as such.
+const MAX_RCVBUF: usize = 64 << 20;
+/// Bytes reserved in the receive buffer per command message of a batch.
+const RCVBUF_PER_MESSAGE: usize = 1024;
+/// A reply datagram is small (an error with a capped echo and an extack text); this leaves
+/// room for a table listing in `table_exists`.
+const RECV_BUFFER: usize = 64 << 10;
+
+/// One message of a batch that the kernel refused.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OpFailure {
+    /// Index of the op in the transaction (`None` for the batch framing itself).
+    pub index: Option<usize>,
+    /// The op's `nft -f` line (or "batch").
+    pub op: String,
+    pub errno: Errno,
+    /// The kernel's extended-ack message, if it gave one.
+    pub message: Option<String>,
+}
+
+impl std::fmt::Display for OpFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Errno prints as "ENOENT: No such file or directory".
+        match self.index {
+            Some(i) => write!(f, "op {i} `{}`: {}", self.op, self.errno)?,
+            None => write!(f, "{}: {}", self.op, self.errno)?,
+        }
+        if let Some(m) = &self.message {
+            write!(f, ": {m}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Why a transaction was not applied.
+#[derive(Debug, thiserror::Error)]
+pub enum NetlinkError {
+    /// Refused before sending (see [`encode::check`]); nothing was sent.
+    #[error("invalid nftables transaction: {0}")]
+    Invalid(#[from] CheckError),
+    /// The socket failed; for a failed send nothing was applied.
+    #[error("nftables netlink socket: {context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: io::Error,
+    },
+    /// The kernel refused the batch (nothing of it was applied). `failures` lists every
+    /// refused message in batch order; the first is usually the cause.
+    #[error("nftables refused the {family} transaction ({messages} messages), {}", describe(failures, *lost))]
+    Rejected {
+        family: IpFamily,
+        messages: usize,
+        failures: Vec<OpFailure>,
+        /// Replies were lost to a full receive buffer (so some failures may be missing).
+        lost: bool,
+    },
+    /// Neither an error nor the acknowledgement came back: the outcome is unknown.
+    #[error("nftables sent no reply to a {family} transaction of {messages} messages")]
+    NoReply { family: IpFamily, messages: usize },
+}
+
+fn describe(failures: &[OpFailure], lost: bool) -> String {
+    let mut s = match failures.split_first() {
+        Some((first, [])) => first.to_string(),
+        Some((first, rest)) => format!("{first} (and {} more refused messages)", rest.len()),
+        None => "no error reply kept".to_string(),
+    };
+    if lost {
+        s.push_str("; some replies were lost (receive buffer full)");
+    }
+    s
+}
+
+impl NetlinkError {
+    /// The errno of the first failure, if the kernel refused the batch.
+    pub fn errno(&self) -> Option<Errno> {
+        match self {
+            NetlinkError::Rejected { failures, .. } => failures.first().map(|f| f.errno),
+            NetlinkError::Io { source, .. } => source.raw_os_error().map(Errno::from_raw),
+            _ => None,
+        }
+    }
+}
+
+/// Where a socket takes anonymous-set numbers from.
+#[derive(Debug)]
+enum Names {
+    /// The process-wide counter ([`encode::encode`]'s).
+    Process,
+    Own(AnonSetNames),
+}
+
+/// A netfilter netlink socket for the `kube-proxy` tables. It belongs to the network namespace
+/// of the thread that created it, for its whole life.
+#[derive(Debug)]
+pub struct NftSocket {
+    socket: Socket,
+    seq: u32,
+    sndbuf: usize,
+    rcvbuf: usize,
+    names: Names,
+    buf: Vec<u8>,
+}
+
+fn io_err(context: &str) -> impl FnOnce(io::Error) -> NetlinkError + '_ {
+    move |source| NetlinkError::Io {
+        context: context.to_string(),
+        source,
+    }
+}
+
+impl NftSocket {
+    /// Opens the socket (sending needs CAP_NET_ADMIN) with extended acks (the kernel's error
+    /// text) and capped acks (no echo of our message in error replies).
+    pub fn new() -> io::Result<NftSocket> {
+        let mut socket = Socket::new(NETLINK_NETFILTER)?;
+        socket.bind_auto()?;
+        socket.connect(&NlSocketAddr::new(0, 0))?;
+        socket.set_ext_ack(true)?;
+        socket.set_cap_ack(true)?;
+        let mut s = NftSocket {
+            socket,
+            // Like nft, start from the clock, so that replies to another run never match.
+            seq: u32::try_from(
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_secs() & 0xffff_ffff)
+                    .unwrap_or(0),
+            )
+            .unwrap_or(0),
+            sndbuf: 0,
+            rcvbuf: 0,
+            names: Names::Process,
+            buf: vec![0; RECV_BUFFER],
+        };
+        // Best effort here: without CAP_NET_ADMIN this fails, and so will every request, with
+        // a clearer error from `apply` (which raises the buffers again).
+        let _ = s.raise_rcvbuf(MIN_RCVBUF);
+        Ok(s)
+    }
+
+    /// Numbers this socket's anonymous sets from `start` on instead of the process-wide,
+    /// time-based counter (see [`AnonSetNames`]).
+    pub fn set_anon_set_start(&mut self, start: u64) {
+        self.names = Names::Own(AnonSetNames::starting_at(start));
+    }
+
+    fn raise_rcvbuf(&mut self, want: usize) -> io::Result<()> {
+        let want = want.clamp(MIN_RCVBUF, MAX_RCVBUF);
+        if want > self.rcvbuf {
+            // The FORCE variant ignores net.core.rmem_max (we run with CAP_NET_ADMIN).
+            setsockopt(&self.socket.as_fd(), sockopt::RcvBufForce, &want).map_err(io::Error::from)?;
+            self.rcvbuf = want;
+        }
+        Ok(())
+    }
+
+    /// A batch must go in one `sendmsg`, and the kernel refuses a message larger than the
+    /// send buffer (EMSGSIZE): raise it past `net.core.wmem_max` when needed.
+    fn raise_sndbuf(&mut self, len: usize) -> io::Result<()> {
+        // The kernel doubles the value and keeps 32 bytes of it for itself.
+        let want = len.saturating_add(4096);
+        if want > self.sndbuf {
+            setsockopt(&self.socket.as_fd(), sockopt::SndBufForce, &want).map_err(io::Error::from)?;
+            self.sndbuf = want;
+        }
+        Ok(())
+    }
+
+    /// Applies `tx` atomically: all of it, or (on error) none of it. An empty transaction
+    /// sends nothing.
+    pub fn apply(&mut self, tx: &Transaction) -> Result<(), NetlinkError> {
+        if tx.is_empty() {
+            return Ok(());
+        }
+        encode::check(tx)?;
+        let first_seq = self.seq;
+        let batch = match &mut self.names {
+            Names::Process => encode::encode(tx, first_seq),
+            Names::Own(names) => encode::encode_with(tx, first_seq, names),
+        };
+        self.seq = batch.end_seq().wrapping_add(1);
+        self.send_batch(tx, &batch)
+    }
+
+    fn send_batch(&mut self, tx: &Transaction, batch: &EncodedBatch) -> Result<(), NetlinkError> {
+        self.raise_sndbuf(batch.bytes.len())
+            .map_err(io_err("raising SO_SNDBUF (SO_SNDBUFFORCE)"))?;
+        self.raise_rcvbuf(batch.messages().saturating_mul(RCVBUF_PER_MESSAGE))
+            .map_err(io_err("raising SO_RCVBUF (SO_RCVBUFFORCE)"))?;
+        // Replies left over from an earlier, interrupted call must not be taken for ours.
+        self.drain(|_| {}).map_err(io_err("discarding stale replies"))?;
+        self.send(&batch.bytes).map_err(io_err("sending the batch"))?;
+
+        let last_seq = batch.end_seq().wrapping_sub(1);
+        let mut failures = Vec::new();
+        let mut acked = false;
+        let drained = self.drain(|reply| {
+            let Reply::Error { seq, errno, message } = reply else {
+                return;
+            };
+            // Only replies to this batch count (its sequence numbers are a contiguous range).
+            if seq.wrapping_sub(batch.first_seq) > batch.end_seq().wrapping_sub(batch.first_seq) {
+                return;
+            }
+            if errno == 0 {
+                acked |= seq == last_seq;
+                return;
+            }
+            let index = batch.op_index(seq);
+            let op = match index.and_then(|i| tx.ops.get(i)) {
+                Some(op) => {
+                    let mut text = String::new();
+                    op.write_text(tx.family, &mut text);
+                    text.trim_end().to_string()
+                }
+                None => "batch".to_string(),
+            };
+            failures.push(OpFailure {
+                index,
+                op,
+                errno: Errno::from_raw(errno.saturating_abs()),
+                message,
+            });
+        });
+        let lost = match drained {
+            Ok(()) => false,
+            // The kernel dropped replies: only errors are numerous enough for that.
+            Err(e) if e.raw_os_error() == Some(Errno::ENOBUFS as i32) => true,
+            Err(e) => return Err(io_err("reading the replies")(e)),
+        };
+        if !failures.is_empty() || lost {
+            return Err(NetlinkError::Rejected {
+                family: tx.family,
+                messages: batch.messages(),
+                failures,
+                lost,
+            });
+        }
+        if !acked {
+            return Err(NetlinkError::NoReply {
+                family: tx.family,
+                messages: batch.messages(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Whether `table <family> kube-proxy` exists (NFT_MSG_GETTABLE).
+    pub fn table_exists(&mut self, family: IpFamily) -> io::Result<bool> {
+        self.seq = self.seq.wrapping_add(1);
+        let seq = self.seq;
+        let mut b = MsgBuf::default();
+        let m = b.begin_msg(
+            nft_type(NFT_MSG_GETTABLE),
+            NLM_F_REQUEST | NLM_F_ACK,
+            seq,
+            encode::nfproto(family),
+            0,
+        );
+        b.put_str(NFTA_TABLE_NAME, TABLE);
+        b.end_msg(m);
+        self.drain(|_| {})?;
+        self.send(&b.buf)?;
+        let mut found = false;
+        let mut error = None;
+        self.drain(|reply| match reply {
+            Reply::Other { seq: s, msg_type } if s == seq && msg_type == nft_type(NFT_MSG_NEWTABLE) => found = true,
+            Reply::Error { seq: s, errno, message } if s == seq && errno != 0 => error = Some((errno, message)),
+            _ => {}
+        })?;
+        match error {
+            None => Ok(found),
+            Some((e, _)) if e.saturating_abs() == Errno::ENOENT as i32 => Ok(false),
+            Some((e, message)) => {
+                let errno = Errno::from_raw(e.saturating_abs());
+                Err(io::Error::new(
+                    io::Error::from(errno).kind(),
+                    format!(
+                        "getting table {TABLE}: {errno}{}",
+                        message.map(|m| format!(": {m}")).unwrap_or_default()
+                    ),
+                ))
+            }
+        }
+    }
+
+    fn send(&self, bytes: &[u8]) -> io::Result<()> {
+        loop {
+            match self.socket.send(bytes, 0) {
+                Ok(n) if n == bytes.len() => return Ok(()),
+                Ok(n) => return Err(io::Error::other(format!("short send: {n} of {} bytes", bytes.len()))),
+                // Nothing was processed when the call was interrupted.
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Reads every queued datagram without blocking, handing each message to `each`.
+    fn drain(&mut self, mut each: impl FnMut(Reply)) -> io::Result<()> {
+        loop {
+            let n = match self.socket.recv(&mut &mut self.buf[..], nix::libc::MSG_DONTWAIT) {
+                Ok(n) => n.min(self.buf.len()),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            };
+            for reply in parse_replies(&self.buf[..n]) {
+                each(reply);
+            }
+        }
+    }
+}
+
+/// One netlink message of a reply.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Reply {
+    /// `NLMSG_ERROR`: `errno` 0 is an acknowledgement. `seq` is the request's.
+    Error {
+        seq: u32,
+        errno: i32,
+        message: Option<String>,
+    },
+    Other {
+        seq: u32,
+        msg_type: u16,
+    },
+}
+
+fn u16_at(b: &[u8], at: usize) -> Option<u16> {
+    Some(u16::from_ne_bytes(b.get(at..at + 2)?.try_into().ok()?))
+}
+
+fn u32_at(b: &[u8], at: usize) -> Option<u32> {
+    Some(u32::from_ne_bytes(b.get(at..at + 4)?.try_into().ok()?))
+}
+
+/// Splits a datagram into messages; stops at the first malformed one.
+pub fn parse_replies(data: &[u8]) -> Vec<Reply> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    while let Some(len) = u32_at(data, at) {
+        let len = len as usize;
+        let Some(msg) = data.get(at..at + len).filter(|_| len >= NLMSG_HDRLEN) else {
+            break;
+        };
+        let (Some(msg_type), Some(flags), Some(seq)) = (u16_at(msg, 4), u16_at(msg, 6), u32_at(msg, 8)) else {
+            break;
+        };
+        if msg_type == NLMSG_ERROR {
+            if let Some(reply) = parse_error(msg, flags) {
+                out.push(reply);
+            }
+        } else if msg_type != NLMSG_DONE {
+            out.push(Reply::Other { seq, msg_type });
+        }
+        at += (len + 3) & !3;
+    }
+    out
+}
+
+/// `struct nlmsgerr` (error code, the request's header, its payload unless capped) and the
+/// extack TLVs after it.
+fn parse_error(msg: &[u8], flags: u16) -> Option<Reply> {
+    let errno = i32::from_ne_bytes(msg.get(NLMSG_HDRLEN..NLMSG_HDRLEN + 4)?.try_into().ok()?);
+    let inner = NLMSG_HDRLEN + 4;
+    let seq = u32_at(msg, inner + 8)?;
+    let inner_len = if flags & NLM_F_CAPPED != 0 {
+        NLMSG_HDRLEN
+    } else {
+        (u32_at(msg, inner)? as usize + 3) & !3
+    };
+    let mut message = None;
+    if flags & NLM_F_ACK_TLVS != 0 {
+        let mut at = inner + inner_len;
+        while let (Some(alen), Some(aty)) = (u16_at(msg, at), u16_at(msg, at + 2)) {
+            let alen = alen as usize;
+            if alen < 4 {
+                break;
+            }
+            let Some(value) = msg.get(at + 4..at + alen) else {
+                break;
+            };
+            if aty & NLA_TYPE_MASK == NLMSGERR_ATTR_MSG {
+                let text = value.split(|&c| c == 0).next().unwrap_or_default();
+                message = Some(String::from_utf8_lossy(text).into_owned());
+            }
+            at += (alen + 3) & !3;
+        }
+    }
+    Some(Reply::Error { seq, errno, message })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_a_capped_error_with_extack() {
+        // NLMSG_ERROR, flags CAPPED|ACK_TLVS, error -ENOENT, echoed header (seq 42), then
+        // NLMSGERR_ATTR_MSG "no chain" and NLMSGERR_ATTR_OFFS.
+        let mut m = Vec::new();
+        let body_len = 16 + 4 + 16 + 4 + 12 + 8;
+        m.extend_from_slice(&(body_len as u32).to_ne_bytes());
+        m.extend_from_slice(&NLMSG_ERROR.to_ne_bytes());
+        m.extend_from_slice(&(NLM_F_CAPPED | NLM_F_ACK_TLVS).to_ne_bytes());
+        m.extend_from_slice(&42u32.to_ne_bytes());
+        m.extend_from_slice(&0u32.to_ne_bytes());
+        m.extend_from_slice(&(-2i32).to_ne_bytes());
+        m.extend_from_slice(&64u32.to_ne_bytes());
+        m.extend_from_slice(&nft_type(NFT_MSG_NEWRULE).to_ne_bytes());
+        m.extend_from_slice(&0u16.to_ne_bytes());
+        m.extend_from_slice(&42u32.to_ne_bytes());
+        m.extend_from_slice(&0u32.to_ne_bytes());
+        m.extend_from_slice(&[13, 0, 1, 0]);
+        m.extend_from_slice(b"no chain\0\0\0\0");
+        m.extend_from_slice(&[8, 0, 2, 0, 36, 0, 0, 0]);
+        assert_eq!(m.len(), body_len);
+        assert_eq!(
+            parse_replies(&m),
+            vec![Reply::Error {
+                seq: 42,
+                errno: -2,
+                message: Some("no chain".into())
+            }]
+        );
+        // A truncated datagram yields what is complete and no panic.
+        assert!(parse_replies(&m[..10]).is_empty());
+    }
+}
