@@ -6,6 +6,7 @@
 
 pub mod ast;
 pub mod names;
+pub mod netlink;
 pub mod proxier;
 pub mod render;
 pub mod ruleset;
