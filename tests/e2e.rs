@@ -60,6 +60,8 @@ fn web(eps: &[Ep]) -> String {
 struct Cluster {
     bed: Testbed,
     dir: ManifestDir,
+    /// Holds the `--config` file of nftables mode (its sync periods have no flags upstream).
+    config: ManifestDir,
     daemon: Option<ChildGuard>,
     mode: &'static str,
 }
@@ -79,6 +81,7 @@ impl Cluster {
         let mut c = Cluster {
             bed,
             dir,
+            config: ManifestDir::new(&format!("{mode}-{tag}-config")),
             daemon: None,
             mode,
         };
@@ -99,18 +102,33 @@ impl Cluster {
     }
 
     fn start_daemon(&mut self) {
-        let args: Vec<String> = [
+        let mut args: Vec<String> = [
             "--hostname-override=node-a",
-            "--cluster-cidr=10.244.0.0/16",
-            "--iptables-min-sync-period=0s",
-            &format!("--iptables-sync-period={SYNC_PERIOD_S}s"),
-            &format!("--proxy-mode={}", self.mode),
             "--manifests",
             &self.dir.0.display().to_string(),
         ]
         .iter()
         .map(|s| s.to_string())
         .collect();
+        if self.mode == "nftables" {
+            let path = self.config.0.join("kube-proxy.yaml");
+            let config = format!(
+                "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: nftables\nclusterCIDR: 10.244.0.0/16\nnftables:\n  syncPeriod: {SYNC_PERIOD_S}s\n  minSyncPeriod: 0s\n"
+            );
+            std::fs::write(&path, config).expect("write config");
+            args.push(format!("--config={}", path.display()));
+        } else {
+            args.extend(
+                [
+                    "--cluster-cidr=10.244.0.0/16",
+                    "--iptables-min-sync-period=0s",
+                    &format!("--iptables-sync-period={SYNC_PERIOD_S}s"),
+                    &format!("--proxy-mode={}", self.mode),
+                ]
+                .iter()
+                .map(|s| s.to_string()),
+            );
+        }
         let daemon = self.bed.spawn_in_node(Path::new(BIN), &args).expect("daemon starts");
         daemon
             .wait_for_log("Synced rules", Duration::from_secs(20))
@@ -509,6 +527,57 @@ fn a_flushed_nat_table_is_repaired_within_the_sync_period() {
         total <= Duration::from_millis(SYNC_PERIOD_S * 1000 + 700),
         "back within the sync period: {total:?} ({took:?} polling)"
     );
+}
+
+/// nftables mode: a removed endpoint's chain is flushed at once and deleted a second later
+/// without any further change; a deleted table is rebuilt within the sync period.
+#[test]
+fn nftables_deletes_stale_chains_later_and_rebuilds_a_deleted_table() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let c = Cluster::start_in("nftables", "nftstale", 2, |b| {
+        web(&b.endpoints().iter().map(|e| local(e.ip)).collect::<Vec<_>>())
+    });
+    let gone = c.bed.endpoint(1).server_addr();
+    let chain_of_gone = format!("__{}/{}", gone.ip(), gone.port());
+    assert!(c.rules().contains(&chain_of_gone), "{}", c.rules());
+    c.dir.write(&web(&[local(c.bed.endpoint(0).ip)]));
+    let changed = Instant::now();
+    wait_until(Duration::from_secs(10), "the removed endpoint's DNAT gone", || {
+        !c.rules().contains(&format!("dnat to {gone}"))
+    });
+    wait_until(Duration::from_secs(5), "the removed endpoint's chain deleted", || {
+        !c.rules().contains(&chain_of_gone)
+    });
+    let deleted_after = changed.elapsed();
+    println!("endpoint chain deleted {deleted_after:?} after the change");
+    assert!(
+        deleted_after >= Duration::from_secs(1),
+        "deleted too early: {deleted_after:?}"
+    );
+    let report = c.probe_client(&ProbeArgs::tcp(cip(80)).with_count(20));
+    assert_eq!(report.ok_count(), 20, "{:?}", report.errors());
+
+    c.bed
+        .node
+        .exec_ok("nft", ["delete", "table", "ip", "kube-proxy"])
+        .expect("delete our table");
+    let deleted = Instant::now();
+    assert!(
+        !c.probe_client(&ProbeArgs::tcp(cip(80)).with_count(1).with_timeout_ms(300))
+            .all_ok(),
+        "the deletion broke the Service"
+    );
+    wait_until(
+        Duration::from_secs(SYNC_PERIOD_S * 3),
+        "connectivity after the deletion",
+        || {
+            c.probe_client(&ProbeArgs::tcp(cip(80)).with_count(1).with_timeout_ms(300))
+                .all_ok()
+        },
+    );
+    let total = deleted.elapsed();
+    println!("deleted table rebuilt after {total:?} (sync period {SYNC_PERIOD_S}s)");
+    assert!(total <= Duration::from_millis(SYNC_PERIOD_S * 1000 + 700), "{total:?}");
 }
 
 #[test]
