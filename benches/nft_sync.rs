@@ -60,6 +60,70 @@ impl NftBackend for Capture {
     }
 }
 
+/// Measures the time spent in the backend (the kernel, or `nft`) apart from ours.
+struct Timed(Box<dyn NftBackend>, std::sync::Arc<std::sync::Mutex<Duration>>);
+
+impl NftBackend for Timed {
+    fn apply(&mut self, tx: &Transaction) -> Result<(), NftError> {
+        let t = Instant::now();
+        let r = self.0.apply(tx);
+        *self.1.lock().expect("timer") += t.elapsed();
+        r
+    }
+    fn table_exists(&mut self, family: IpFamily) -> Result<bool, NftError> {
+        self.0.table_exists(family)
+    }
+}
+
+/// The kernel's own cost of a change on the loaded table, over netlink: one set element (no
+/// validation) and one verdict-map element that jumps to an existing chain (which makes the
+/// kernel validate every chain reachable from the base chains at commit).
+fn kernel_floor(state: &ProxyState) {
+    use kube_proxy::nftables::ast::{ElemKey, Element, Op, Verdict};
+    let mut socket = kube_proxy::nftables::netlink::NftSocket::new().expect("netlink socket");
+    let chain = kube_proxy::nftables::names::ServicePortChains::new(
+        &state.service_ports[0].port.name.namespace,
+        &state.service_ports[0].port.name.name,
+        state.service_ports[0].port.protocol.lower(),
+        &state.service_ports[0].port.name.port,
+    )
+    .cluster;
+    let ip: std::net::IpAddr = "10.255.255.254".parse().expect("ip");
+    let mut run = |set: &str, value: Option<Verdict>, key: ElemKey| {
+        let mut times = Vec::new();
+        for _ in 0..20 {
+            let mut add = Transaction::new(IpFamily::V4);
+            add.push(Op::AddElement {
+                set: set.into(),
+                element: Element {
+                    key: key.clone(),
+                    value: value.clone(),
+                    comment: None,
+                },
+            });
+            let mut del = Transaction::new(IpFamily::V4);
+            del.push(Op::DeleteElement {
+                set: set.into(),
+                key: key.clone(),
+            });
+            let t = Instant::now();
+            socket.apply(&add).expect("add element");
+            times.push(t.elapsed());
+            socket.apply(&del).expect("delete element");
+        }
+        times.sort();
+        times[times.len() / 2]
+    };
+    let plain = run("cluster-ips", None, ElemKey::Addr(ip));
+    let vmap = run(
+        "service-ips",
+        Some(Verdict::Goto(chain)),
+        ElemKey::AddrProtoPort(ip, kube_proxy::model::Protocol::Tcp, 80),
+    );
+    println!("{:<44} {:>12}", "  kernel floor: add a set element (median)", ms(plain));
+    println!("{:<44} {:>12}", "  kernel floor: add a vmap goto element", ms(vmap));
+}
+
 fn nft_f(text: &str) {
     let mut child = Command::new("nft")
         .args(["-f", "-"])
@@ -142,7 +206,15 @@ fn main() {
 
         for b in backends.split(',') {
             fresh_namespace();
-            let mut p = NftProxier::with_backend(IpFamily::V4, opts.clone(), backend(b));
+            let in_backend = std::sync::Arc::new(std::sync::Mutex::new(Duration::ZERO));
+            let mut p = NftProxier::with_backend(
+                IpFamily::V4,
+                opts.clone(),
+                Box::new(Timed(backend(b), in_backend.clone())),
+            );
+            if let Ok(max) = std::env::var("MAX_OPS") {
+                p.set_max_ops_per_transaction(max.parse().expect("MAX_OPS"));
+            }
             let t = Instant::now();
             p.sync(&state).expect("cold sync");
             let cold = t.elapsed();
@@ -151,21 +223,39 @@ fn main() {
             });
             println!("{:<44} {:>12}{ratio}", format!("cold sync, {b}"), ms(cold));
 
+            println!(
+                "{:<44} {:>12}",
+                "  of which in the backend",
+                ms(*in_backend.lock().expect("timer"))
+            );
+            if b == "netlink" {
+                kernel_floor(&state);
+            }
             let mut current = state.clone();
             let mut times = Vec::new();
+            let mut backend_times = Vec::new();
             for round in 0..changes {
                 change(&mut current, round, endpoints);
+                *in_backend.lock().expect("timer") = Duration::ZERO;
                 let t = Instant::now();
                 p.sync(&current).expect("change");
                 times.push(t.elapsed());
+                backend_times.push(*in_backend.lock().expect("timer"));
             }
             times.sort();
+            backend_times.sort();
             let pct = |q: f64| times[((times.len() as f64 - 1.0) * q).round() as usize];
             println!(
                 "{:<44} {:>12}   p99 {}  (n = {changes})",
                 format!("one endpoint change p50, {b}"),
                 ms(pct(0.5)),
                 ms(pct(0.99))
+            );
+            println!(
+                "{:<44} {:>12}   p99 {}",
+                "  of which in the backend p50",
+                ms(backend_times[backend_times.len() / 2]),
+                ms(backend_times[((backend_times.len() as f64 - 1.0) * 0.99).round() as usize])
             );
             summary.push(format!(
                 "| {services} × {endpoints} | {b} | {} | {} | {} | {} | {} |",

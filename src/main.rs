@@ -844,7 +844,9 @@ fn render(cfg: &ProxyConfig, args: RenderArgs) -> anyhow::Result<ExitCode> {
 }
 
 fn trace_cmd(cfg: &ProxyConfig, args: TraceArgs) -> anyhow::Result<ExitCode> {
-    require_iptables(cfg)?;
+    if cfg.mode != ProxyMode::Nftables {
+        require_iptables(cfg)?;
+    }
     let protocol = Protocol::from_api(&args.protocol.to_ascii_uppercase()).with_context(|| {
         format!(
             "invalid value {:?} for --protocol: must be TCP, UDP or SCTP",
@@ -856,11 +858,6 @@ fn trace_cmd(cfg: &ProxyConfig, args: TraceArgs) -> anyhow::Result<ExitCode> {
     }
     let objects = load(&args.paths)?;
     let family = IpFamily::of(&args.to.ip());
-    let rendered = app::render_iptables(&objects, cfg, &[family]);
-    let fr = rendered.first().context("no ruleset rendered")?;
-    for w in &fr.state.warnings {
-        eprintln!("warning: {w}");
-    }
     let packet = Packet {
         src: args.from,
         dst: args.to.ip(),
@@ -868,10 +865,32 @@ fn trace_cmd(cfg: &ProxyConfig, args: TraceArgs) -> anyhow::Result<ExitCode> {
         protocol,
         in_interface: args.in_interface.clone(),
     };
-    let ctx = TraceContext {
-        local_addresses: local_addresses(&fr.state),
+    let result = if cfg.mode == ProxyMode::Nftables {
+        // The table as the kernel holds it after the full sync that `render` prints.
+        let node = app::node_info(&objects, cfg);
+        let state = kube_proxy::model::build_state(&objects, &node, family);
+        for w in &state.warnings {
+            eprintln!("warning: {w}");
+        }
+        let opts = kube_proxy::iptables::RenderOptions::from_config(cfg, family, &node);
+        let tx = kube_proxy::nftables::render::render_tx(&state, &opts, true);
+        let table = kube_proxy::nftables::ruleset::Ruleset::from_transaction(&tx)
+            .context("the rendered nftables transaction does not apply")?;
+        let ctx = TraceContext {
+            local_addresses: local_addresses(&state),
+        };
+        kube_proxy::nftables::trace::trace(&table, &ctx, &packet)?
+    } else {
+        let rendered = app::render_iptables(&objects, cfg, &[family]);
+        let fr = rendered.first().context("no ruleset rendered")?;
+        for w in &fr.state.warnings {
+            eprintln!("warning: {w}");
+        }
+        let ctx = TraceContext {
+            local_addresses: local_addresses(&fr.state),
+        };
+        trace::trace(&fr.ruleset, &ctx, &packet)?
     };
-    let result = trace::trace(&fr.ruleset, &ctx, &packet)?;
     match args.output {
         OutputArg::Json => println!("{}", serde_json::to_string_pretty(&result)?),
         OutputArg::Text => print!("{}", trace::render_text(&result, &packet)),

@@ -252,3 +252,267 @@ proptest! {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// The nftables tracer against the iptables tracer
+
+/// [`state`] plus what only the nftables mode reads or what tells node addresses apart:
+/// ServiceCIDRs (some holding every cluster IP, some not all) and sometimes a second node
+/// address that `nodePortAddresses: [primary]` does not select.
+fn nft_state() -> impl Strategy<Value = ProxyState> {
+    (state(), 0u8..3, any::<bool>()).prop_map(|(mut st, cidrs, second_ip)| {
+        st.service_cidrs = match cidrs {
+            0 => vec![],
+            1 => vec!["10.96.0.0/16".parse().unwrap()],
+            _ => vec!["10.96.0.0/28".parse().unwrap(), "10.100.0.0/24".parse().unwrap()],
+        };
+        if second_ip {
+            st.node.addresses.push("192.0.2.11".parse().unwrap());
+        }
+        st
+    })
+}
+
+/// [`options`] with every shape of `nodePortAddresses`: all addresses, the primary IP, CIDRs
+/// with and without loopback.
+fn nft_options() -> impl Strategy<Value = RenderOptions> {
+    let npa = prop_oneof![
+        Just(vec![]),
+        Just(vec!["primary".to_string()]),
+        Just(vec!["192.0.2.0/24".to_string()]),
+        Just(vec!["192.0.2.11/32".to_string(), "127.0.0.0/8".to_string()]),
+        Just(vec!["0.0.0.0/0".to_string()]),
+    ];
+    (options(), npa).prop_map(|(mut o, npa)| {
+        o.node_port_addresses = npa;
+        o
+    })
+}
+
+/// A packet as indices into what the state offers (resolved by [`packet_of`]), so that
+/// generated packets hit the state's services, node ports and firewall ranges often.
+#[derive(Clone, Debug)]
+struct PacketChoice {
+    src: (u8, u16),
+    dst: (u8, u16),
+    port: (u8, u16),
+    protocol: u8,
+    iface: u8,
+}
+
+fn packet_choice() -> impl Strategy<Value = PacketChoice> {
+    (
+        (0u8..6, any::<u16>()),
+        (0u8..7, any::<u16>()),
+        // Mostly the service's own port, sometimes any port, sometimes the health-check one.
+        (0u8..5, any::<u16>()),
+        0u8..3,
+        0u8..4,
+    )
+        .prop_map(|(src, dst, port, protocol, iface)| PacketChoice {
+            src,
+            dst,
+            port,
+            protocol,
+            iface,
+        })
+}
+
+fn pick<T: Copy>(v: &[T], sel: u16) -> Option<T> {
+    (!v.is_empty()).then(|| v[usize::from(sel) % v.len()])
+}
+
+/// Resolves a [`PacketChoice`] against a state: sources are a pod, an outside host, a host in
+/// some loadBalancerSourceRanges, the node, an endpoint (hairpin) or loopback; destinations a
+/// cluster IP, an external IP, an LB IP, a node address or loopback (with a node port), an
+/// address in the service range, or one outside everything.
+fn packet_of(st: &ProxyState, c: &PacketChoice) -> kube_proxy::iptables::trace::Packet {
+    let ports: Vec<&ServicePort> = st.service_ports.iter().map(|s| &s.port).collect();
+    let svc = ports[usize::from(c.dst.1) % ports.len()];
+    let ip4 = |a: u8, b: u8, c: u8, d: u8| IpAddr::V4(Ipv4Addr::new(a, b, c, d));
+    let [hi, lo] = c.src.1.to_be_bytes();
+    let ranges: Vec<IpNet> = ports
+        .iter()
+        .flat_map(|p| p.load_balancer_source_ranges.iter().copied())
+        .collect();
+    let endpoints: Vec<IpAddr> = st
+        .service_ports
+        .iter()
+        .flat_map(|s| s.endpoints.iter().map(|e| e.ip))
+        .collect();
+    let node = pick(&st.node.addresses, c.src.1).unwrap_or(ip4(192, 0, 2, 10));
+    let src = match c.src.0 {
+        0 => ip4(10, 244, hi, lo.max(1)),
+        1 => ip4(198, 18, hi, lo.max(1)),
+        2 => match pick(&ranges, c.src.1) {
+            Some(IpNet::V4(n)) => IpAddr::V4(n.hosts().next().unwrap_or(n.addr())),
+            _ => ip4(198, 18, 0, 9),
+        },
+        3 => node,
+        4 => pick(&endpoints, c.src.1).unwrap_or(ip4(10, 244, 9, 9)),
+        _ => ip4(127, 0, 0, 1),
+    };
+    let [dhi, dlo] = c.dst.1.to_be_bytes();
+    let node_dst = pick(&st.node.addresses, c.dst.1).unwrap_or(ip4(192, 0, 2, 10));
+    let (dst, node_port) = match c.dst.0 {
+        0 => (svc.cluster_ip, false),
+        1 => (pick(&svc.external_ips, c.dst.1).unwrap_or(svc.cluster_ip), false),
+        2 => (pick(&svc.load_balancer_vips, c.dst.1).unwrap_or(svc.cluster_ip), false),
+        3 => (node_dst, true),
+        4 => (ip4(127, 0, 0, 1), true),
+        5 => (ip4(10, 96, dhi % 2, dlo), false),
+        _ => (ip4(192, 0, 2, 99), false),
+    };
+    let (protocol, dport) = match c.port.0 {
+        0..=2 if node_port && svc.node_port != 0 => (svc.protocol, svc.node_port),
+        0..=2 => (svc.protocol, svc.port),
+        3 => (
+            [Protocol::Tcp, Protocol::Udp, Protocol::Sctp][usize::from(c.protocol) % 3],
+            c.port.1.max(1),
+        ),
+        _ => (svc.protocol, 31000), // the health-check node port of every ETP Local service
+    };
+    kube_proxy::iptables::trace::Packet {
+        src,
+        dst,
+        dport,
+        protocol,
+        in_interface: match c.iface {
+            0 => Some("eth0".into()),
+            1 => Some("cni0".into()),
+            2 => Some("veth3".into()),
+            _ => None,
+        },
+    }
+}
+
+/// Destinations claimed by more than one service port: upstream's iptables rules let the
+/// first Service win, its nftables maps the last one written (conflicting configuration, not
+/// a difference in behaviour worth asserting).
+fn ambiguous(st: &ProxyState, p: &kube_proxy::iptables::trace::Packet, node_dst: bool) -> bool {
+    let claims = st
+        .service_ports
+        .iter()
+        .map(|s| &s.port)
+        .filter(|s| s.protocol == p.protocol)
+        .filter(|s| {
+            let ip_port =
+                s.port == p.dport && (s.external_ips.contains(&p.dst) || s.load_balancer_vips.contains(&p.dst));
+            let node_port = node_dst && s.node_port == p.dport;
+            ip_port || node_port
+        })
+        .count();
+    claims > 1
+}
+
+/// DNAT, REJECT, DROP or PASS: an explicit accept (iptables' health-check node ports) and no
+/// rule at all both let the packet go on unchanged.
+fn common_verdict(v: kube_proxy::iptables::trace::Verdict) -> &'static str {
+    use kube_proxy::iptables::trace::Verdict;
+    match v {
+        Verdict::Accept | Verdict::Pass => "PASS",
+        other => other.as_str(),
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, .. ProptestConfig::default() })]
+
+    /// The nftables and iptables renderers, each traced by its own tracer, agree on what a new
+    /// connection does: the verdict (DNAT / REJECT / DROP / PASS), the endpoints it can reach
+    /// and whether it is masqueraded — except where upstream's nftables mode differs on
+    /// purpose, each exception asserted as nftables' own behaviour:
+    /// - loopback destinations: no localhost NodePorts in nftables mode (and iptables'
+    ///   KUBE-FIREWALL drops martian localnet traffic), so nftables passes them;
+    /// - an undefined port or protocol of a ClusterIP: nftables rejects (cluster-ips-check);
+    /// - an unallocated address of a ServiceCIDR: nftables drops;
+    /// - a disallowed source to an LB IP with loadBalancerSourceRanges whose Service has no
+    ///   endpoints at all: nftables' firewall does not depend on endpoints and drops, where
+    ///   iptables has no firewall chain then and rejects;
+    /// - a node address outside nodePortAddresses: iptables' REJECT/DROP rules of NodePorts
+    ///   without (local) endpoints match every local address (`addrtype LOCAL`), nftables'
+    ///   only `@nodeport-ips`, so nftables passes what iptables rejects or drops there;
+    /// - a connection from the node to an external or LB IP without (external) endpoints:
+    ///   iptables' REJECT/DROP rules for those are in KUBE-EXTERNAL-SERVICES, which OUTPUT
+    ///   does not jump to, so it passes; nftables' service-endpoints-check runs in
+    ///   filter-output too;
+    /// - destinations claimed by two Services (see [`ambiguous`]) are not compared.
+    #[test]
+    fn nftables_and_iptables_traces_agree(
+        state in nft_state(),
+        opts in nft_options(),
+        choices in prop::collection::vec(packet_choice(), 1..16),
+    ) {
+        use kube_proxy::iptables::render::{NodePortAddresses, local_addresses};
+        use kube_proxy::iptables::trace::{TraceContext, trace};
+        use kube_proxy::nftables::{render::render_tx, ruleset::Ruleset, trace::trace as nft_trace};
+
+        let ipt_rules = render(&state, &opts);
+        let nft_rules = Ruleset::from_transaction(&render_tx(&state, &opts, true))
+            .map_err(|e| TestCaseError::fail(format!("transaction does not apply: {e}")))?;
+        let ctx = TraceContext { local_addresses: local_addresses(&state) };
+        let cluster_ips: Vec<IpAddr> = state.service_ports.iter().map(|s| s.port.cluster_ip).collect();
+        let nodeport_ips = NodePortAddresses::new(state.family, &opts.node_port_addresses, state.node.primary_ip(state.family))
+            .node_ips(&ctx.local_addresses);
+        for c in &choices {
+            let p = packet_of(&state, c);
+            let node_dst = ctx.local_addresses.contains(&p.dst);
+            if ambiguous(&state, &p, node_dst) {
+                continue;
+            }
+            let ipt = trace(&ipt_rules, &ctx, &p).map_err(|e| TestCaseError::fail(format!("iptables: {e}")))?;
+            let nft = nft_trace(&nft_rules, &ctx, &p).map_err(|e| TestCaseError::fail(format!("nftables: {e}")))?;
+            let (iv, nv) = (common_verdict(ipt.verdict), common_verdict(nft.verdict));
+            let why = format!("{p:?}\niptables: {ipt:#?}\nnftables: {nft:#?}");
+
+            if p.dst.is_loopback() {
+                prop_assert_eq!(nv, "PASS", "no localhost NodePorts: {}", why);
+                continue;
+            }
+            let is_cluster_ip = cluster_ips.contains(&p.dst);
+            let defined_port = state.service_ports.iter().any(|s| {
+                s.port.cluster_ip == p.dst && s.port.port == p.dport && s.port.protocol == p.protocol
+            });
+            if is_cluster_ip && !defined_port {
+                prop_assert_eq!((iv, nv), ("PASS", "REJECT"), "undefined ClusterIP port: {}", why);
+                continue;
+            }
+            if !is_cluster_ip && state.service_cidrs.iter().any(|n| n.contains(&p.dst)) {
+                prop_assert_eq!((iv, nv), ("PASS", "DROP"), "unallocated ClusterIP: {}", why);
+                continue;
+            }
+            let firewalled_without_endpoints = state.service_ports.iter().any(|s| {
+                let svc = &s.port;
+                svc.load_balancer_vips.contains(&p.dst)
+                    && svc.port == p.dport
+                    && svc.protocol == p.protocol
+                    && !svc.load_balancer_source_ranges.is_empty()
+                    && !s.endpoints.iter().any(|e| e.ready || (e.serving && e.terminating))
+            });
+            if firewalled_without_endpoints && (iv, nv) == ("REJECT", "DROP") {
+                continue;
+            }
+            let external_dst = state.service_ports.iter().any(|s| {
+                let svc = &s.port;
+                (svc.external_ips.contains(&p.dst) || svc.load_balancer_vips.contains(&p.dst))
+                    && svc.port == p.dport
+                    && svc.protocol == p.protocol
+            });
+            if ipt.from_node && external_dst && iv == "PASS" && matches!(nv, "REJECT" | "DROP") {
+                continue;
+            }
+            if node_dst && !nodeport_ips.contains(&p.dst) {
+                // Not a NodePort address: only iptables' no-endpoint rules (addrtype LOCAL)
+                // apply here.
+                prop_assert!(nft.endpoints.is_empty() && ipt.endpoints.is_empty(), "not a NodePort address: {}", why);
+                if iv != nv {
+                    prop_assert!(matches!((iv, nv), ("REJECT" | "DROP", "PASS")), "not a NodePort address: {}", why);
+                    continue;
+                }
+            }
+            prop_assert_eq!(iv, nv, "verdict: {}", why);
+            prop_assert_eq!(&ipt.endpoints, &nft.endpoints, "endpoints: {}", why);
+            prop_assert_eq!(ipt.masquerade, nft.masquerade, "masquerade: {}", why);
+        }
+    }
+}

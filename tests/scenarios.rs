@@ -90,8 +90,12 @@ fn web_variant_snapshots() {
 
 const WEB: &[&str] = &["--hostname-override=node-a", "--cluster-cidr=10.244.0.0/16"];
 
-/// Runs `kube-proxy trace --output=json` for one case; `flags` replace the scenario's own.
-fn trace(scenario: &str, flags: &[String], extra: &[String]) -> Value {
+/// The proxy modes `trace` is checked in.
+const MODES: [&str; 2] = ["iptables", "nftables"];
+
+/// Runs `kube-proxy trace --output=json` for one case in `mode`; `flags` replace the
+/// scenario's own.
+fn trace(scenario: &str, flags: &[String], extra: &[String], mode: &str) -> Value {
     let path = if scenario == "web" {
         PathBuf::from("examples/web")
     } else {
@@ -105,6 +109,12 @@ fn trace(scenario: &str, flags: &[String], extra: &[String]) -> Value {
     } else {
         args.extend(flags_of(&root().join(&path)));
     }
+    // --config replaces every other flag, --proxy-mode included.
+    assert!(
+        !args.iter().any(|a| a.starts_with("--config")),
+        "trace cases set the mode by flag: {args:?}"
+    );
+    args.push(format!("--proxy-mode={mode}"));
     args.push(path.display().to_string());
     args.extend(extra.iter().cloned());
     args.push("--output=json".into());
@@ -113,12 +123,50 @@ fn trace(scenario: &str, flags: &[String], extra: &[String]) -> Value {
     serde_json::from_str(&out.stdout).unwrap_or_else(|e| panic!("trace output is JSON ({e}): {}", out.stdout))
 }
 
-/// Every case of tests/traces.txt; all failures are reported together.
+/// What a case of tests/traces.txt expects: verdict, endpoints (sorted as strings), masquerade.
+#[derive(Debug, PartialEq)]
+struct Expect {
+    verdict: String,
+    endpoints: Vec<String>,
+    masquerade: bool,
+}
+
+impl Expect {
+    fn new(verdict: &str, endpoints: &str, masq: &str) -> Expect {
+        assert!(
+            masq == "masq" || masq == "nomasq",
+            "masquerade is masq or nomasq, not {masq:?}"
+        );
+        Expect {
+            verdict: verdict.to_string(),
+            endpoints: if endpoints == "-" {
+                vec![]
+            } else {
+                endpoints.split(',').map(str::to_string).collect()
+            },
+            masquerade: masq == "masq",
+        }
+    }
+
+    fn of(got: &Value) -> Expect {
+        Expect {
+            verdict: got["verdict"].as_str().unwrap_or_default().to_string(),
+            endpoints: got["endpoints"]
+                .as_array()
+                .map(|a| a.iter().filter_map(Value::as_str).map(str::to_string).collect())
+                .unwrap_or_default(),
+            masquerade: got["masquerade"] == true,
+        }
+    }
+}
+
+/// Every case of tests/traces.txt, in both proxy modes; all failures are reported together.
 #[test]
 fn trace_expectations() {
     let table = std::fs::read_to_string(root().join("tests/traces.txt")).expect("tests/traces.txt");
     let mut failures = Vec::new();
     let mut cases = 0;
+    let mut differences = 0;
     for (n, line) in table.lines().enumerate() {
         let line = line.trim();
         if line.is_empty() || line.starts_with('#') {
@@ -126,77 +174,116 @@ fn trace_expectations() {
         }
         let f: Vec<&str> = line.split_whitespace().collect();
         assert!(f.len() >= 7, "tests/traces.txt:{}: needs 7 fields: {line}", n + 1);
-        let (scenario, from, to, proto, verdict, eps, masq) = (f[0], f[1], f[2], f[3], f[4], f[5], f[6]);
-        let (in_iface, flags): (Vec<String>, Vec<String>) = f[7..]
-            .iter()
-            .map(|s| s.to_string())
-            .partition(|s| s.starts_with("--in-interface"));
+        let (scenario, from, to, proto) = (f[0], f[1], f[2], f[3]);
+        let iptables = Expect::new(f[4], f[5], f[6]);
+        let mut nftables = None;
+        let mut in_iface = Vec::new();
+        let mut flags = Vec::new();
+        for field in &f[7..] {
+            if let Some(want) = field.strip_prefix("nft=") {
+                let parts: Vec<&str> = want.split('/').collect();
+                assert!(
+                    parts.len() == 3,
+                    "tests/traces.txt:{}: nft=VERDICT/ENDPOINTS/MASQ, not {field}",
+                    n + 1
+                );
+                nftables = Some(Expect::new(parts[0], parts[1], parts[2]));
+            } else if field.starts_with("--in-interface") {
+                in_iface.push(field.to_string());
+            } else {
+                flags.push(field.to_string());
+            }
+        }
+        if let Some(nft) = &nftables {
+            assert_ne!(
+                nft,
+                &iptables,
+                "tests/traces.txt:{}: an nft= marker that repeats the expectation",
+                n + 1
+            );
+            differences += 1;
+        }
+        let nftables = nftables.unwrap_or_else(|| Expect::new(f[4], f[5], f[6]));
         let mut extra = vec![
             format!("--from={from}"),
             format!("--to={to}"),
             format!("--protocol={proto}"),
         ];
         extra.extend(in_iface);
-        let got = trace(scenario, &flags, &extra);
-        let want_eps: Vec<&str> = if eps == "-" { vec![] } else { eps.split(',').collect() };
-        let got_eps: Vec<&str> = got["endpoints"]
-            .as_array()
-            .map(|a| a.iter().filter_map(Value::as_str).collect())
-            .unwrap_or_default();
-        let ok = got["verdict"] == verdict && got_eps == want_eps && got["masquerade"] == (masq == "masq");
-        if !ok {
-            failures.push(format!(
-                "tests/traces.txt:{}: {line}\n  got verdict {} endpoints {:?} masquerade {}",
-                n + 1,
-                got["verdict"],
-                got_eps,
-                got["masquerade"]
-            ));
+        for (mode, want) in MODES.iter().zip([&iptables, &nftables]) {
+            let got = Expect::of(&trace(scenario, &flags, &extra, mode));
+            if &got != want {
+                failures.push(format!(
+                    "tests/traces.txt:{} ({mode}): {line}\n  got verdict {} endpoints {:?} masquerade {}",
+                    n + 1,
+                    got.verdict,
+                    got.endpoints,
+                    got.masquerade
+                ));
+            }
         }
         cases += 1;
     }
     assert!(cases >= 50, "the table has its cases ({cases})");
+    // The differences are the documented exceptions, not the rule.
+    assert!(
+        differences * 5 < cases,
+        "{differences} of {cases} cases differ between modes"
+    );
     assert!(
         failures.is_empty(),
-        "{} of {cases} trace cases failed:\n{}",
+        "{} of {} trace checks failed:\n{}",
         failures.len(),
+        cases * MODES.len(),
         failures.join("\n")
     );
 }
 
 #[test]
 fn trace_hairpin_masquerades_the_path_to_itself() {
-    let got = trace("web", &[], &["--from=10.244.2.7".into(), "--to=10.96.165.10:80".into()]);
-    assert_eq!(got["verdict"], "DNAT");
-    let paths = got["paths"].as_array().expect("paths");
-    let to_self = paths
-        .iter()
-        .find(|p| p["endpoint"] == "10.244.2.7:8080")
-        .expect("path to itself");
-    assert_eq!(to_self["masquerade"], true, "{got:#}");
-    let other = paths
-        .iter()
-        .find(|p| p["endpoint"] == "10.244.1.5:8080")
-        .expect("path to another endpoint");
-    assert_eq!(other["masquerade"], false, "{got:#}");
+    for mode in MODES {
+        let got = trace(
+            "web",
+            &[],
+            &["--from=10.244.2.7".into(), "--to=10.96.165.10:80".into()],
+            mode,
+        );
+        assert_eq!(got["verdict"], "DNAT", "{mode}");
+        let paths = got["paths"].as_array().expect("paths");
+        let to_self = paths
+            .iter()
+            .find(|p| p["endpoint"] == "10.244.2.7:8080")
+            .expect("path to itself");
+        assert_eq!(to_self["masquerade"], true, "{mode}: {got:#}");
+        let other = paths
+            .iter()
+            .find(|p| p["endpoint"] == "10.244.1.5:8080")
+            .expect("path to another endpoint");
+        assert_eq!(other["masquerade"], false, "{mode}: {got:#}");
+    }
 }
 
 #[test]
 fn trace_session_affinity_reaches_every_endpoint_through_recent() {
-    let got = trace(
-        "session-affinity",
-        &[],
-        &["--from=10.244.2.5".into(), "--to=10.96.40.1:80".into()],
-    );
-    assert_eq!(got["verdict"], "DNAT");
-    assert_eq!(
-        got["endpoints"],
-        serde_json::json!(["10.244.2.40:8080", "10.244.3.40:8080"])
-    );
-    assert!(
-        got["rules"].to_string().contains("--rcheck --seconds 600 --reap"),
-        "{got:#}"
-    );
+    // The affinity check of each mode: `recent` in iptables, a timeout set in nftables.
+    for (mode, check) in MODES
+        .iter()
+        .zip(["--rcheck --seconds 600 --reap", "ip saddr @affinity-"])
+    {
+        let got = trace(
+            "session-affinity",
+            &[],
+            &["--from=10.244.2.5".into(), "--to=10.96.40.1:80".into()],
+            mode,
+        );
+        assert_eq!(got["verdict"], "DNAT", "{mode}");
+        assert_eq!(
+            got["endpoints"],
+            serde_json::json!(["10.244.2.40:8080", "10.244.3.40:8080"]),
+            "{mode}"
+        );
+        assert!(got["rules"].to_string().contains(check), "{mode}: {got:#}");
+    }
 }
 
 #[test]
@@ -218,6 +305,58 @@ fn trace_text_output_lists_matched_rules() {
         "{}",
         out.stdout
     );
+    let out = kube_proxy(&[
+        "trace",
+        "--proxy-mode=nftables",
+        "--hostname-override=node-a",
+        "--cluster-cidr=10.244.0.0/16",
+        &path.display().to_string(),
+        "--from=192.168.49.77",
+        "--to=10.96.165.10:80",
+    ]);
+    assert_eq!(out.status, 0, "{}", out.stderr);
+    assert!(
+        out.stdout
+            .contains("path 1/3: filter-prerouting-pre-dnat -> nat-prerouting -> filter-forward -> nat-postrouting")
+            && out
+                .stdout
+                .contains("  ip kube-proxy/services: ip daddr . meta l4proto . th dport vmap @service-ips")
+            && out.stdout.contains("  => DNAT to 10.244.1.5:8080, masqueraded"),
+        "{}",
+        out.stdout
+    );
+}
+
+/// The mode comes from --proxy-mode or the configuration file, as for `render`.
+#[test]
+fn trace_mode_follows_the_configuration() {
+    let dir = std::env::temp_dir().join(format!("kp-trace-mode-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("config.yaml");
+    std::fs::write(
+        &cfg,
+        "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: nftables\n\
+         hostnameOverride: node-a\nclusterCIDR: 10.244.0.0/16\n",
+    )
+    .unwrap();
+    let out = kube_proxy(&[
+        "trace",
+        &format!("--config={}", cfg.display()),
+        "examples/web",
+        "--from=10.244.2.30",
+        "--to=10.96.165.10:80",
+        "--output=json",
+    ]);
+    let ipvs = kube_proxy(&[
+        "trace", "--proxy-mode=ipvs", "examples/web", "--from=10.244.2.30", "--to=10.96.165.10:80",
+    ]);
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert_eq!(out.status, 0, "{}", out.stderr);
+    let got: Value = serde_json::from_str(&out.stdout).expect("JSON");
+    assert_eq!(got["rules"][0]["table"], "ip kube-proxy", "{got:#}");
+    assert_eq!(got["verdict"], "DNAT");
+    assert_ne!(ipvs.status, 0);
+    assert!(ipvs.stderr.contains("ipvs"), "{}", ipvs.stderr);
 }
 
 #[test]

@@ -88,6 +88,39 @@ pub struct Trace {
     /// Every matched rule, in order, path after path.
     pub rules: Vec<TracedRule>,
     pub paths: Vec<TracePath>,
+    /// The packet was generated on the node (it took the output hooks); for [`render_text`].
+    #[serde(skip)]
+    pub from_node: bool,
+}
+
+impl Trace {
+    /// Summarizes finished paths: the common verdict (DNAT if any path DNATs and they
+    /// disagree, else the first path's), the endpoints of the DNAT paths and whether any path
+    /// is masqueraded. Shared by the iptables and nftables tracers so their answers compare.
+    pub fn from_paths(rules: Vec<TracedRule>, paths: Vec<TracePath>, from_node: bool) -> Trace {
+        let first_verdict = paths.first().map_or(Verdict::Pass, |p| p.verdict);
+        let verdict = if paths.iter().all(|p| p.verdict == first_verdict) {
+            first_verdict
+        } else if paths.iter().any(|p| p.verdict == Verdict::Dnat) {
+            Verdict::Dnat
+        } else {
+            first_verdict
+        };
+        // Sorted as strings (what the JSON consumer sees), not by address.
+        let endpoints: BTreeSet<String> = paths
+            .iter()
+            .filter(|p| p.verdict == Verdict::Dnat)
+            .filter_map(|p| p.endpoint.clone())
+            .collect();
+        Trace {
+            verdict,
+            endpoints: endpoints.into_iter().collect(),
+            masquerade: paths.iter().any(|p| p.masquerade),
+            rules,
+            paths,
+            from_node,
+        }
+    }
 }
 
 /// One matched rule on one path.
@@ -152,6 +185,14 @@ pub enum TraceError {
     /// A packet address is not of the ruleset's IP family.
     #[error("packet address {address} is not {family} like the ruleset")]
     FamilyMismatch { family: IpFamily, address: IpAddr },
+    /// The nftables table holds something the kernel would refuse or the nftables tracer does
+    /// not model (a missing chain or set, a set of the wrong type, NAT where it cannot NAT).
+    #[error("{table} chain {chain}: {reason}")]
+    Nftables {
+        table: String,
+        chain: String,
+        reason: String,
+    },
 }
 
 /// Follows `packet` through `ruleset` and reports every path it can take.
@@ -220,41 +261,16 @@ pub fn trace(ruleset: &Ruleset, ctx: &TraceContext, packet: &Packet) -> Result<T
             hooks: p.hooks.iter().map(|h| h.to_string()).collect(),
         });
     }
-    let first_verdict = paths.first().map_or(Verdict::Pass, |p| p.verdict);
-    let verdict = if paths.iter().all(|p| p.verdict == first_verdict) {
-        first_verdict
-    } else if paths.iter().any(|p| p.verdict == Verdict::Dnat) {
-        Verdict::Dnat
-    } else {
-        first_verdict
-    };
-    // Sorted as strings (what the JSON consumer sees), not by address.
-    let endpoints: BTreeSet<String> = finished
-        .iter()
-        .filter(|p| p.verdict == Verdict::Dnat)
-        .filter_map(|p| p.dnat.map(|a| a.to_string()))
-        .collect();
-    Ok(Trace {
-        verdict,
-        endpoints: endpoints.into_iter().collect(),
-        masquerade: paths.iter().any(|p| p.masquerade),
-        rules,
-        paths,
-    })
+    Ok(Trace::from_paths(rules, paths, local_src))
 }
 
 /// Renders a trace for humans: the packet, each path's matched rules and outcome, a summary.
 pub fn render_text(trace: &Trace, packet: &Packet) -> String {
     let mut out = String::new();
     let family = IpFamily::of(&packet.dst);
-    // A walk that starts in nat OUTPUT was treated as locally generated (no input interface).
-    let local = trace
-        .paths
-        .first()
-        .and_then(|p| p.hooks.first())
-        .is_some_and(|h| h == "nat/OUTPUT");
+    // A locally generated packet has no input interface, whatever --in-interface said.
     let origin = match &packet.in_interface {
-        _ if local => " from this node".to_string(),
+        _ if trace.from_node => " from this node".to_string(),
         Some(i) => format!(" in {i}"),
         None => String::new(),
     };

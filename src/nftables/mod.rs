@@ -10,5 +10,6 @@ pub mod netlink;
 pub mod proxier;
 pub mod render;
 pub mod ruleset;
+pub mod trace;
 
 pub use render::{render, render_transaction};
