@@ -15,6 +15,7 @@ pub mod daemon;
 pub mod healthz;
 pub mod http;
 pub mod iptables;
+pub mod ipvs;
 pub mod kube_source;
 pub mod lab;
 pub mod logging;

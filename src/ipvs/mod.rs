@@ -1,0 +1,5 @@
+//! The IPVS dataplane. [`netlink`] owns talking to the kernel's IPVS table (virtual servers,
+//! real servers, timeouts) over generic netlink, plus a fake of that table for tests; the
+//! modules beside it decide what the table should hold.
+
+pub mod netlink;
