@@ -825,6 +825,26 @@ fn render(cfg: &ProxyConfig, args: RenderArgs) -> anyhow::Result<ExitCode> {
         }
         return Ok(ExitCode::SUCCESS);
     }
+    if cfg.mode == ProxyMode::Ipvs {
+        // The virtual servers, ipsets and iptables rules a full sync programs, per family.
+        let node = app::node_info(&objects, cfg);
+        let mut reported: std::collections::HashSet<String> = std::collections::HashSet::new();
+        for (i, family) in families.iter().enumerate() {
+            let state = kube_proxy::model::build_state(&objects, &node, *family);
+            let opts = kube_proxy::ipvs::render::IpvsRenderOptions::from_config(cfg, *family, &node);
+            let rendered = kube_proxy::ipvs::render::render(&state, &opts);
+            for w in state.warnings.iter().chain(&rendered.warnings) {
+                if reported.insert(w.clone()) {
+                    eprintln!("warning: {w}");
+                }
+            }
+            if i > 0 {
+                println!();
+            }
+            print!("{}", rendered.to_text());
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
     require_iptables(cfg)?;
     let rendered = app::render_iptables(&objects, cfg, &families);
     let mut out = String::new();
