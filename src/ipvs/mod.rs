@@ -2,6 +2,8 @@
 //! real servers, timeouts) over generic netlink, plus a fake of that table for tests; the
 //! modules beside it decide what the table should hold.
 
+pub mod host;
 pub mod names;
 pub mod netlink;
+pub mod proxier;
 pub mod render;

@@ -1,0 +1,1239 @@
+//! The IPVS proxier: keeps one family's share of the node in line with the model, as
+//! upstream's IPVS proxier does on every sync — the virtual servers and their real servers
+//! (through [`Ipvs`]), the `kube-ipvs0` dummy link and its addresses, the ipsets, and the
+//! iptables rules that remain in IPVS mode — all rendered by [`super::render`].
+//!
+//! What a sync does, in an order that never leaves a Service without a path it had:
+//! 1. (first sync, or new options) the sysctls and IPVS timeouts;
+//! 2. the dummy link; every wanted virtual server added or updated, its real servers added or
+//!    updated, the ones no longer wanted drained (below);
+//! 3. the missing addresses bound to `kube-ipvs0`;
+//! 4. the ipsets brought to their wanted entries by one `ipset restore -exist` of `add` and
+//!    `del` lines (never a flush-then-refill of a live set);
+//! 5. the iptables rules (`iptables-restore --noflush`) and the jumps to them;
+//! 6. virtual servers we own that are no longer wanted drained and deleted, and addresses no
+//!    longer wanted unbound.
+//!
+//! **Ownership.** Only virtual servers of this family whose address is on `kube-ipvs0`, or
+//! which this proxier programmed itself, are ever changed or deleted; firewall-mark services
+//! and those within `--ipvs-exclude-cidrs` never. (Upstream deletes every virtual server of
+//! its family outside the excluded CIDRs; we leave other users' services alone. The cost: a
+//! NodePort virtual server on a node address whose Service was deleted while the daemon was
+//! down stays until `--cleanup`.)
+//!
+//! **Graceful termination** (upstream's `graceful_termination.go`): a real server no longer
+//! wanted is not deleted at once when it has connections. It gets weight 0 (no new
+//! connections; existing ones keep working) and is deleted once the kernel counts no active
+//! and no inactive connections to it, re-checked by later syncs: [`IpvsProxier::next_cleanup`]
+//! tells the daemon when, backing off from 1 s to 10 s. UDP and SCTP real servers are deleted
+//! at once, as upstream does: a UDP "connection" lives as long as its client keeps sending
+//! (a resolver reusing its source port would stay on a deleted pod for ever), and with
+//! `expire_nodest_conn=1` the kernel moves such flows on their next packet. A virtual server
+//! no longer wanted is deleted once its last real server is; its address stays bound until
+//! then, so that its open connections still reach IPVS.
+//!
+//! A sync whose rendering equals the last applied one (the daemon's drain re-checks, periodic
+//! syncs) only re-checks draining real servers.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::{IpAddr, SocketAddr};
+use std::time::{Duration, Instant};
+
+use nix::errno::Errno;
+
+use super::host::{HostError, IpvsHost};
+use super::names::{DUMMY_DEVICE, IPSETS, set_name};
+use super::netlink::{Ipvs, IpvsError, RealServer, ServiceFlags, ServiceKey, Timeouts, VirtualServer};
+use super::render::{IpvsRenderOptions, IpvsRuleset, IpvsService, render};
+use crate::iptables::exec::{ExecError, Iptables};
+use crate::iptables::proxier::SyncReport;
+use crate::model::{IpFamily, Protocol, ProxyState};
+
+/// The first re-check of a draining real server comes this long after it started draining.
+pub const DRAIN_CHECK_FIRST: Duration = Duration::from_secs(1);
+/// Re-checks back off (doubling) up to this interval while something drains.
+pub const DRAIN_CHECK_MAX: Duration = Duration::from_secs(10);
+
+/// What failed in a sync; the previous state stays, and the next sync is a full one.
+#[derive(Debug, thiserror::Error)]
+pub enum SyncError {
+    #[error("IPVS: {0}")]
+    Ipvs(#[from] IpvsError),
+    #[error("{0}")]
+    Host(#[from] HostError),
+    #[error("iptables: {0}")]
+    Iptables(#[from] ExecError),
+}
+
+/// What the kernel holds after the last successful full sync (to recognise a sync with
+/// nothing new).
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Applied {
+    virtual_servers: Vec<IpvsService>,
+    bound: Vec<IpAddr>,
+    ipsets: String,
+    restore: String,
+}
+
+impl Applied {
+    fn of(rs: &IpvsRuleset) -> Applied {
+        Applied {
+            virtual_servers: rs.virtual_servers.clone(),
+            bound: rs.bound_addresses.clone(),
+            ipsets: rs.ipset_restore(),
+            restore: rs.restore.clone(),
+        }
+    }
+}
+
+pub struct IpvsProxier<V: Ipvs, I: Iptables, H: IpvsHost> {
+    family: IpFamily,
+    opts: IpvsRenderOptions,
+    ipvs: V,
+    ipt: I,
+    host: H,
+    applied: Option<Applied>,
+    /// Sysctls and timeouts are set (for the current options).
+    setup_done: bool,
+    /// Virtual servers this proxier programmed (see "Ownership" above).
+    programmed: BTreeSet<ServiceKey>,
+    /// Real servers on their way out, with their virtual server.
+    draining: BTreeMap<(ServiceKey, SocketAddr), VirtualServer>,
+    /// Virtual servers no longer wanted, deleted once their last real server is.
+    retiring: BTreeMap<ServiceKey, VirtualServer>,
+    next_check: Option<Instant>,
+    check_interval: Duration,
+}
+
+/// The kernel's virtual server for a rendered one.
+pub fn virtual_server(s: &IpvsService) -> VirtualServer {
+    VirtualServer {
+        address: s.address,
+        protocol: s.protocol,
+        port: s.port,
+        fwmark: None,
+        scheduler: s.scheduler.clone(),
+        persistent_timeout: s.persistent,
+        flags: ServiceFlags(s.sched_flags),
+        netmask: s.netmask,
+        stats: Default::default(),
+    }
+}
+
+/// Whether the kernel's virtual server has the settings of ours.
+fn same_settings(have: &VirtualServer, want: &VirtualServer) -> bool {
+    have.scheduler == want.scheduler
+        && have.persistent_timeout == want.persistent_timeout
+        && have.flags == want.flags
+        // The netmask only matters with persistence.
+        && (want.persistent_timeout.is_none() || have.netmask == want.netmask)
+}
+
+/// Whether the kernel must keep a removed real server until its connections are gone.
+fn needs_draining(protocol: Protocol) -> bool {
+    protocol == Protocol::Tcp
+}
+
+/// A missing object is what we wanted anyway.
+fn gone_ok(r: Result<(), IpvsError>) -> Result<(), IpvsError> {
+    match r {
+        Err(e) if matches!(e.errno(), Some(Errno::ESRCH | Errno::ENOENT)) => Ok(()),
+        r => r,
+    }
+}
+
+/// `net/ipv4/vs/conn_reuse_mode=0` is what upstream sets on kernels 4.1 to 5.8, whose IPVS
+/// drops the first packet of a reused connection to a removed real server for a second
+/// (kubernetes#81775); 5.9 fixed it, and before 4.1 the sysctl does not exist.
+pub fn conn_reuse_mode_fix_needed(release: &str) -> bool {
+    let mut parts = release.split(|c: char| !c.is_ascii_digit()).filter(|p| !p.is_empty());
+    let major: u32 = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+    let minor: u32 = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+    (major, minor) >= (4, 1) && (major, minor) < (5, 9)
+}
+
+/// The running kernel's release (`uname -r`).
+fn kernel_release() -> String {
+    nix::sys::utsname::uname()
+        .map(|u| u.release().to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+/// ipset prints a host-sized net without its prefix length (`…,10.0.0.1` for `10.0.0.1/32`):
+/// entries compare in that spelling.
+fn canonical_entry(e: &str) -> &str {
+    e.strip_suffix("/32").or_else(|| e.strip_suffix("/128")).unwrap_or(e)
+}
+
+/// The `ipset restore -exist` input that brings the sets to `rs`'s entries, given what the
+/// kernel holds (`current`): every set created (a no-op when it exists), missing entries
+/// added, extra ones deleted. Empty when nothing changes.
+pub fn ipset_changes(rs: &IpvsRuleset, current: &BTreeMap<String, BTreeSet<String>>) -> String {
+    let mut out = String::new();
+    let mut changes = false;
+    for set in &rs.ipsets {
+        out.push_str(&set.create_line());
+        out.push('\n');
+        let have = current.get(&set.name);
+        changes |= have.is_none();
+        let have_canon: BTreeSet<&str> = have.into_iter().flatten().map(|e| canonical_entry(e)).collect();
+        let want_canon: BTreeSet<&str> = set.entries.iter().map(|e| canonical_entry(e)).collect();
+        for e in &set.entries {
+            if !have_canon.contains(canonical_entry(e)) {
+                out.push_str(&format!("add {} {e}\n", set.name));
+                changes = true;
+            }
+        }
+        for e in have.into_iter().flatten() {
+            if !want_canon.contains(canonical_entry(e)) {
+                out.push_str(&format!("del {} {e}\n", set.name));
+                changes = true;
+            }
+        }
+    }
+    if changes { out } else { String::new() }
+}
+
+impl<V: Ipvs, I: Iptables, H: IpvsHost> IpvsProxier<V, I, H> {
+    pub fn new(family: IpFamily, opts: IpvsRenderOptions, ipvs: V, ipt: I, host: H) -> Self {
+        IpvsProxier {
+            family,
+            opts,
+            ipvs,
+            ipt,
+            host,
+            applied: None,
+            setup_done: false,
+            programmed: BTreeSet::new(),
+            draining: BTreeMap::new(),
+            retiring: BTreeMap::new(),
+            next_check: None,
+            check_interval: DRAIN_CHECK_FIRST,
+        }
+    }
+
+    pub fn ipvs(&mut self) -> &mut V {
+        &mut self.ipvs
+    }
+
+    pub fn iptables(&mut self) -> &mut I {
+        &mut self.ipt
+    }
+
+    pub fn host(&mut self) -> &mut H {
+        &mut self.host
+    }
+
+    /// New options (they depend on the Node, which may change); a change makes the next sync
+    /// a full one and sets sysctls and timeouts again.
+    pub fn set_options(&mut self, opts: IpvsRenderOptions) {
+        if opts != self.opts {
+            self.opts = opts;
+            self.applied = None;
+            self.setup_done = false;
+        }
+    }
+
+    pub fn force_full_sync(&mut self) {
+        self.applied = None;
+    }
+
+    /// Whether our entry jump and the dummy link are still there (someone may flush nat or
+    /// delete the link); if not, the daemon forces a full sync.
+    pub fn intact(&mut self) -> bool {
+        let entry = super::render::jump_rules()
+            .into_iter()
+            .filter(|j| j.table == "nat" && j.chain == "PREROUTING")
+            .all(|j| self.ipt.rule_exists(j.table, j.chain, &j.args).unwrap_or(false));
+        entry && self.host.link_exists(DUMMY_DEVICE).unwrap_or(false)
+    }
+
+    /// When draining real servers are due for a re-check, if any drain.
+    pub fn next_cleanup(&self) -> Option<Instant> {
+        if self.draining.is_empty() && self.retiring.is_empty() {
+            None
+        } else {
+            self.next_check
+        }
+    }
+
+    /// Real servers draining now, as (virtual server, real server).
+    pub fn draining(&self) -> Vec<(ServiceKey, SocketAddr)> {
+        self.draining.keys().copied().collect()
+    }
+
+    /// Brings the kernel in line with `state` (which must be of this proxier's family).
+    pub fn sync(&mut self, state: &ProxyState) -> Result<SyncReport, SyncError> {
+        let start = Instant::now();
+        let rs = render(state, &self.opts);
+        let result = self.sync_inner(&rs);
+        match result {
+            Ok(mut report) => {
+                report.elapsed = start.elapsed();
+                Ok(report)
+            }
+            Err(e) => {
+                self.applied = None;
+                Err(e)
+            }
+        }
+    }
+
+    fn sync_inner(&mut self, rs: &IpvsRuleset) -> Result<SyncReport, SyncError> {
+        let mut report = SyncReport::default();
+        if !self.setup_done {
+            self.setup(rs)?;
+            self.setup_done = true;
+        }
+        let applied = Applied::of(rs);
+        if self.applied.as_ref() == Some(&applied) {
+            // Nothing new: only the draining real servers may have something to do.
+            self.check_draining(&mut report, false)?;
+            return Ok(report);
+        }
+        report.full = true;
+        self.full_sync(rs, &mut report)?;
+        self.applied = Some(applied);
+        self.check_draining(&mut report, true)?;
+        Ok(report)
+    }
+
+    /// Sysctls and IPVS timeouts (upstream sets them when the proxier is created).
+    fn setup(&mut self, rs: &IpvsRuleset) -> Result<(), SyncError> {
+        let mut sysctls: Vec<(&str, u32)> = rs.sysctls.clone();
+        if conn_reuse_mode_fix_needed(&kernel_release()) {
+            sysctls.push(("net/ipv4/vs/conn_reuse_mode", 0));
+        }
+        for (path, value) in sysctls {
+            let value = value.to_string();
+            if self.host.read_sysctl(path)? != value {
+                self.host.write_sysctl(path, &value)?;
+            }
+        }
+        if let Some(t) = rs.timeouts {
+            // 0 leaves the kernel's value: only the configured ones change.
+            self.ipvs.set_timeouts(&Timeouts {
+                tcp: t.tcp.as_secs().min(u64::from(u32::MAX)) as u32,
+                tcp_fin: t.tcp_fin.as_secs().min(u64::from(u32::MAX)) as u32,
+                udp: t.udp.as_secs().min(u64::from(u32::MAX)) as u32,
+            })?;
+        }
+        Ok(())
+    }
+
+    fn excluded(&self, ip: &IpAddr) -> bool {
+        self.opts.exclude_cidrs.iter().any(|c| c.contains(ip))
+    }
+
+    fn full_sync(&mut self, rs: &IpvsRuleset, report: &mut SyncReport) -> Result<(), SyncError> {
+        let family = self.family;
+        self.host.ensure_dummy(DUMMY_DEVICE)?;
+        let bound_now: BTreeSet<IpAddr> = self
+            .host
+            .addresses(DUMMY_DEVICE)?
+            .into_iter()
+            .filter(|ip| family.contains(ip))
+            .collect();
+        let current: BTreeMap<ServiceKey, VirtualServer> = self
+            .ipvs
+            .services()?
+            .into_iter()
+            .filter(|vs| vs.fwmark.is_none() && vs.family() == family)
+            .map(|vs| (vs.key(), vs))
+            .collect();
+
+        // 2. Wanted virtual servers and their real servers.
+        let mut wanted: BTreeSet<ServiceKey> = BTreeSet::new();
+        for svc in &rs.virtual_servers {
+            let want = virtual_server(svc);
+            let key = want.key();
+            wanted.insert(key);
+            self.retiring.remove(&key);
+            let existing = match current.get(&key) {
+                None => {
+                    self.ipvs.add_service(&want)?;
+                    report.rewritten_services += 1;
+                    false
+                }
+                Some(have) => {
+                    if !same_settings(have, &want) {
+                        self.ipvs.update_service(&want)?;
+                        report.rewritten_services += 1;
+                    }
+                    true
+                }
+            };
+            self.programmed.insert(key);
+            let have: BTreeMap<SocketAddr, RealServer> = if existing {
+                self.ipvs.dests(&want)?.into_iter().map(|d| (d.key(), d)).collect()
+            } else {
+                BTreeMap::new()
+            };
+            let mut changed = false;
+            for d in &svc.destinations {
+                let rs_want = RealServer::new(d.address, d.port, d.weight);
+                let addr = rs_want.key();
+                self.draining.remove(&(key, addr));
+                match have.get(&addr) {
+                    None => {
+                        self.ipvs.add_dest(&want, &rs_want)?;
+                        changed = true;
+                    }
+                    Some(h) if h.weight != rs_want.weight || h.forward != rs_want.forward => {
+                        self.ipvs.update_dest(&want, &rs_want)?;
+                        changed = true;
+                    }
+                    Some(_) => {}
+                }
+            }
+            let wanted_dests: BTreeSet<SocketAddr> = svc
+                .destinations
+                .iter()
+                .map(|d| SocketAddr::new(d.address, d.port))
+                .collect();
+            for (addr, h) in &have {
+                if !wanted_dests.contains(addr) {
+                    changed |= self.retire_dest(&want, h, report)?;
+                }
+            }
+            if changed && existing && current.get(&key).is_some_and(|h| same_settings(h, &want)) {
+                report.rewritten_services += 1;
+            }
+        }
+
+        // 3. Addresses: the wanted ones now; unwanted ones after their services are gone.
+        let want_bound: BTreeSet<IpAddr> = rs.bound_addresses.iter().copied().collect();
+        let add: Vec<IpAddr> = want_bound.difference(&bound_now).copied().collect();
+        self.host.change_addresses(DUMMY_DEVICE, &add, &[])?;
+
+        // 4. ipsets, before the rules that match on them.
+        let sets = ipset_changes(rs, &self.host.ipsets()?);
+        if !sets.is_empty() {
+            self.host.ipset_restore(&sets)?;
+        }
+
+        // 5. iptables: the restore declares (creates) every chain the jumps lead to. Each jump
+        // is inserted at the top when missing, so insert the last of each chain first.
+        self.ipt.restore(&rs.restore)?;
+        report.restore_bytes = rs.restore.len() + sets.len();
+        for j in rs.jumps.iter().rev() {
+            self.ipt.ensure_rule_first(j.table, j.chain, &j.args)?;
+        }
+
+        // 6. Virtual servers we own and no longer want.
+        for (key, vs) in &current {
+            if wanted.contains(key) || self.retiring.contains_key(key) || self.excluded(&vs.address) {
+                continue;
+            }
+            let ours = bound_now.contains(&vs.address) || self.programmed.contains(key);
+            if !ours {
+                continue;
+            }
+            let dests = self.ipvs.dests(vs)?;
+            for d in &dests {
+                self.retire_dest(vs, d, report)?;
+            }
+            self.retiring.insert(*key, vs.without_stats());
+            report.rewritten_services += 1;
+        }
+        self.delete_empty_retiring()?;
+        self.unbind_unused(&bound_now, &want_bound)?;
+        Ok(())
+    }
+
+    /// Takes a real server out of `vs`: at once when nothing needs it, else weight 0 and onto
+    /// the draining list. True when something changed.
+    fn retire_dest(&mut self, vs: &VirtualServer, d: &RealServer, report: &mut SyncReport) -> Result<bool, SyncError> {
+        let key = (vs.key(), d.key());
+        if self.draining.contains_key(&key) {
+            return Ok(false);
+        }
+        if !needs_draining(vs.protocol) || d.active_conns + d.inactive_conns == 0 {
+            gone_ok(self.ipvs.delete_dest(vs, d))?;
+            report.udp_endpoints_removed |= vs.protocol == Protocol::Udp;
+            return Ok(true);
+        }
+        let quiet = RealServer {
+            weight: 0,
+            ..d.without_counters()
+        };
+        if d.weight != 0 {
+            self.ipvs.update_dest(vs, &quiet)?;
+        }
+        self.draining.insert(key, vs.without_stats());
+        self.schedule_check(true);
+        Ok(true)
+    }
+
+    /// Plans the next re-check: soon after a new real server started draining, then backing off.
+    fn schedule_check(&mut self, reset: bool) {
+        if reset {
+            self.check_interval = DRAIN_CHECK_FIRST;
+        } else {
+            self.check_interval = (self.check_interval * 2).min(DRAIN_CHECK_MAX);
+        }
+        self.next_check = Some(Instant::now() + self.check_interval);
+    }
+
+    /// Deletes retiring virtual servers that have no real servers left.
+    fn delete_empty_retiring(&mut self) -> Result<(), SyncError> {
+        let keys: Vec<ServiceKey> = self.retiring.keys().copied().collect();
+        for key in keys {
+            let Some(vs) = self.retiring.get(&key).cloned() else {
+                continue;
+            };
+            let left = self.draining.keys().any(|(k, _)| *k == key);
+            if left {
+                continue;
+            }
+            gone_ok(self.ipvs.delete_service(&vs))?;
+            self.retiring.remove(&key);
+            self.programmed.remove(&key);
+        }
+        Ok(())
+    }
+
+    /// Unbinds addresses of this family that are neither wanted nor still used by a retiring
+    /// virtual server.
+    fn unbind_unused(&mut self, bound_now: &BTreeSet<IpAddr>, want: &BTreeSet<IpAddr>) -> Result<(), SyncError> {
+        let in_use: BTreeSet<IpAddr> = self.retiring.values().map(|v| v.address).collect();
+        let del: Vec<IpAddr> = bound_now
+            .iter()
+            .filter(|ip| !want.contains(ip) && !in_use.contains(ip))
+            .copied()
+            .collect();
+        self.host.change_addresses(DUMMY_DEVICE, &[], &del)?;
+        Ok(())
+    }
+
+    /// Re-checks draining real servers (when due, or always with `now`): deletes those without
+    /// connections, then retiring virtual servers left empty, and unbinds their addresses.
+    fn check_draining(&mut self, report: &mut SyncReport, now: bool) -> Result<(), SyncError> {
+        if self.draining.is_empty() && self.retiring.is_empty() {
+            self.next_check = None;
+            return Ok(());
+        }
+        if !now && self.next_check.is_some_and(|t| Instant::now() < t) {
+            return Ok(());
+        }
+        let services: BTreeMap<ServiceKey, VirtualServer> =
+            self.draining.values().map(|vs| (vs.key(), vs.clone())).collect();
+        for (key, vs) in services {
+            let dests: BTreeMap<SocketAddr, RealServer> =
+                self.ipvs.dests(&vs)?.into_iter().map(|d| (d.key(), d)).collect();
+            let ours: Vec<(ServiceKey, SocketAddr)> =
+                self.draining.keys().filter(|(k, _)| *k == key).copied().collect();
+            for k in ours {
+                match dests.get(&k.1) {
+                    // Deleted by someone else (or the virtual server is gone).
+                    None => {
+                        self.draining.remove(&k);
+                    }
+                    Some(d) if d.active_conns + d.inactive_conns == 0 => {
+                        gone_ok(self.ipvs.delete_dest(&vs, d))?;
+                        self.draining.remove(&k);
+                        report.deleted_chains += 1;
+                    }
+                    Some(d) if d.weight != 0 => {
+                        // Someone raised it again: it still has to drain.
+                        let quiet = RealServer {
+                            weight: 0,
+                            ..d.without_counters()
+                        };
+                        self.ipvs.update_dest(&vs, &quiet)?;
+                    }
+                    Some(_) => {}
+                }
+            }
+        }
+        let retiring_before: BTreeSet<IpAddr> = self.retiring.values().map(|v| v.address).collect();
+        self.delete_empty_retiring()?;
+        if let Some(applied) = &self.applied {
+            let want: BTreeSet<IpAddr> = applied.bound.iter().copied().collect();
+            let bound_now: BTreeSet<IpAddr> = self
+                .host
+                .addresses(DUMMY_DEVICE)?
+                .into_iter()
+                .filter(|ip| retiring_before.contains(ip))
+                .collect();
+            self.unbind_unused(&bound_now, &want)?;
+        }
+        if self.draining.is_empty() && self.retiring.is_empty() {
+            self.next_check = None;
+        } else if !now || self.next_check.is_none_or(|t| Instant::now() >= t) {
+            self.schedule_check(false);
+        }
+        Ok(())
+    }
+}
+
+/// Names of every ipset IPVS mode creates, in both families.
+pub fn ipset_names() -> Vec<String> {
+    let mut v = Vec::new();
+    for family in [IpFamily::V4, IpFamily::V6] {
+        for info in IPSETS {
+            v.push(set_name(info.name, family));
+        }
+    }
+    v
+}
+
+/// The NodePort range upstream defaults to: `--cleanup` takes a Masq virtual server on a node
+/// address within it for ours.
+const NODE_PORT_RANGE: std::ops::RangeInclusive<u16> = 30000..=32767;
+
+/// Removes IPVS mode's state: virtual servers on `kube-ipvs0` addresses (and, with
+/// `node_ports`, NodePort-looking ones on node addresses: in the default NodePort range with
+/// only Masq real servers), the iptables rules and chains of IPVS mode in each of `ipts`, the
+/// ipsets and the dummy link. `ipvs` is None when the kernel has no IPVS loaded (then there are
+/// no virtual servers). Errors are collected; cleanup does what it can.
+pub fn cleanup<H: IpvsHost>(
+    ipvs: Option<&mut dyn Ipvs>,
+    ipts: &mut [&mut dyn Iptables],
+    host: &mut H,
+    node_ports: bool,
+) -> Vec<String> {
+    let mut errors = Vec::new();
+    let dummy: BTreeSet<IpAddr> = match host.addresses(DUMMY_DEVICE) {
+        Ok(a) => a.into_iter().collect(),
+        Err(e) => {
+            errors.push(e.to_string());
+            BTreeSet::new()
+        }
+    };
+    if let Some(ipvs) = ipvs {
+        let others: BTreeSet<IpAddr> = if node_ports {
+            host.other_addresses(DUMMY_DEVICE)
+                .map(|a| a.into_iter().collect())
+                .unwrap_or_default()
+        } else {
+            BTreeSet::new()
+        };
+        match ipvs.services() {
+            Ok(services) => {
+                for vs in services.iter().filter(|v| v.fwmark.is_none()) {
+                    let ours = dummy.contains(&vs.address)
+                        || (others.contains(&vs.address)
+                            && NODE_PORT_RANGE.contains(&vs.port)
+                            && ipvs
+                                .dests(vs)
+                                .is_ok_and(|d| d.iter().all(|r| r.forward == super::netlink::Forward::Masq)));
+                    if ours && let Err(e) = gone_ok(ipvs.delete_service(vs)) {
+                        errors.push(e.to_string());
+                    }
+                }
+            }
+            Err(e) => errors.push(e.to_string()),
+        }
+    }
+    for ipt in ipts.iter_mut() {
+        errors.extend(cleanup_iptables(&mut **ipt));
+    }
+    // Sets referenced by rules cannot be destroyed: the rules went first.
+    match host.ipsets() {
+        Ok(sets) => {
+            for name in ipset_names() {
+                if sets.contains_key(&name)
+                    && let Err(e) = host.ipset_destroy(&name)
+                {
+                    errors.push(e.to_string());
+                }
+            }
+        }
+        // No ipset tool or no ipset in the kernel: there are no sets of ours either.
+        Err(HostError::Spawn { .. }) => {}
+        Err(e) => errors.push(e.to_string()),
+    }
+    if let Err(e) = host.delete_link(DUMMY_DEVICE) {
+        errors.push(e.to_string());
+    }
+    errors
+}
+
+/// Whether the node holds IPVS mode's iptables rules (its own filter chain exists).
+pub fn iptables_state_present(ipt: &mut dyn Iptables) -> bool {
+    ipt.chain_exists("filter", super::names::KUBE_IPVS_FILTER)
+        .unwrap_or(false)
+}
+
+/// Deletes IPVS mode's jumps and chains in one family.
+fn cleanup_iptables(ipt: &mut dyn Iptables) -> Vec<String> {
+    let mut errors = Vec::new();
+    for j in super::render::jump_rules() {
+        if let Err(e) = ipt.delete_rule(j.table, j.chain, &j.args) {
+            errors.push(e.to_string());
+        }
+    }
+    for (table, chains) in [
+        ("nat", &super::names::NAT_CHAINS[..]),
+        ("filter", &super::names::FILTER_CHAINS[..]),
+    ] {
+        // Flush them all before deleting any: they jump to each other.
+        let mut present = Vec::new();
+        for c in chains {
+            match ipt.chain_exists(table, c) {
+                Ok(true) => present.push(*c),
+                Ok(false) => {}
+                Err(e) => errors.push(e.to_string()),
+            }
+        }
+        for c in &present {
+            if let Err(e) = ipt.run(table, &["-F", c], &[]) {
+                errors.push(e.to_string());
+            }
+        }
+        for c in &present {
+            if let Err(e) = ipt.run(table, &["-X", c], &[]) {
+                errors.push(e.to_string());
+            }
+        }
+    }
+    errors
+}
+
+/// Why IPVS mode cannot start on this kernel.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelCheckError {
+    #[error(
+        "IPVS mode needs the kernel module ip_vs, which is neither loaded nor loadable: run `modprobe ip_vs`, or choose --proxy-mode=iptables or --proxy-mode=nftables"
+    )]
+    NoIpvs,
+    #[error("IPVS mode: cannot use IPVS: {0}")]
+    Ipvs(#[source] IpvsError),
+    #[error(
+        "IPVS mode needs the kernel module ip_vs_{0} for the scheduler {0:?} (--ipvs-scheduler): run `modprobe ip_vs_{0}`, or choose another scheduler, or --proxy-mode=iptables or --proxy-mode=nftables"
+    )]
+    NoScheduler(String),
+}
+
+/// Checks that the kernel can run IPVS mode with `scheduler`: IPVS answers, and the
+/// scheduler's module is loaded, built in, loadable with `modprobe`, or loaded by the kernel
+/// on demand (a firewall-mark probe service, added and deleted at once; no packet carries its
+/// mark). Never falls back to anything.
+pub fn check_kernel(scheduler: &str) -> Result<(), KernelCheckError> {
+    let mut ipvs = match super::netlink::IpvsHandle::new() {
+        Ok(h) => h,
+        Err(IpvsError::NotAvailable) => return Err(KernelCheckError::NoIpvs),
+        Err(e) => return Err(KernelCheckError::Ipvs(e)),
+    };
+    ipvs.info().map_err(KernelCheckError::Ipvs)?;
+    let module = format!("ip_vs_{scheduler}");
+    let loaded = || std::path::Path::new("/sys/module").join(&module).exists();
+    if loaded() {
+        return Ok(());
+    }
+    let builtin = std::fs::read_to_string(format!("/lib/modules/{}/modules.builtin", kernel_release()))
+        .is_ok_and(|b| b.lines().any(|l| l.ends_with(&format!("/{module}.ko"))));
+    if builtin {
+        return Ok(());
+    }
+    let _ = std::process::Command::new("modprobe")
+        .arg(&module)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status();
+    if loaded() {
+        return Ok(());
+    }
+    // No modprobe here (a container), but the kernel may still load it itself.
+    let probe = VirtualServer::fwmark(IpFamily::V4, PROBE_FWMARK, scheduler);
+    match ipvs.add_service(&probe) {
+        Ok(()) => {
+            let _ = ipvs.delete_service(&probe);
+            Ok(())
+        }
+        Err(e) if e.errno() == Some(Errno::EEXIST) => Ok(()),
+        Err(e) if e.errno() == Some(Errno::ENOENT) => Err(KernelCheckError::NoScheduler(scheduler.to_string())),
+        Err(e) => Err(KernelCheckError::Ipvs(e)),
+    }
+}
+
+/// The firewall mark of the scheduler probe.
+const PROBE_FWMARK: u32 = 0x7fff_fffe;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::iptables::exec::Fake;
+    use crate::ipvs::host::FakeHost;
+    use crate::ipvs::netlink::{Call, FakeIpvs};
+    use crate::model::{Endpoint, NodeInfo, ServicePort, ServicePortName, ServicePortState};
+
+    type P = IpvsProxier<FakeIpvs, Fake, FakeHost>;
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().expect("ip")
+    }
+
+    fn port(name: &str, cip: &str, proto: Protocol, eps: &[&str]) -> ServicePortState {
+        let spn = ServicePortName {
+            namespace: "ns".into(),
+            name: name.into(),
+            port: "p".into(),
+            protocol: proto,
+        };
+        let mut sp = ServicePort::cluster_ip(spn, ip(cip), 80);
+        sp.protocol = proto;
+        ServicePortState {
+            port: sp,
+            endpoints: eps.iter().map(|e| Endpoint::ready(ip(e), 8080)).collect(),
+        }
+    }
+
+    fn state(mut ports: Vec<ServicePortState>) -> ProxyState {
+        ports.sort_by(|a, b| a.port.name.cmp(&b.port.name));
+        ProxyState {
+            family: IpFamily::V4,
+            node: NodeInfo {
+                name: "node-a".into(),
+                addresses: vec![ip("192.168.49.2")],
+                ..NodeInfo::default()
+            },
+            service_ports: ports,
+            service_cidrs: vec![],
+            warnings: vec![],
+        }
+    }
+
+    fn proxier() -> P {
+        IpvsProxier::new(
+            IpFamily::V4,
+            IpvsRenderOptions::default(),
+            FakeIpvs::new(),
+            Fake::default(),
+            FakeHost::default(),
+        )
+    }
+
+    fn tcp_key(addr: &str, port: u16) -> ServiceKey {
+        ServiceKey::Addr {
+            protocol: Protocol::Tcp,
+            address: ip(addr),
+            port,
+        }
+    }
+
+    fn dests(p: &P, key: ServiceKey) -> Vec<(SocketAddr, u32)> {
+        p.ipvs
+            .table()
+            .get(&key)
+            .map(|(_, d)| d.iter().map(|r| (r.key(), r.weight)).collect())
+            .unwrap_or_default()
+    }
+
+    fn sa(s: &str) -> SocketAddr {
+        s.parse().expect("socket address")
+    }
+
+    #[test]
+    fn first_sync_programs_everything() {
+        let mut p = proxier();
+        let st = state(vec![port(
+            "web",
+            "10.96.0.10",
+            Protocol::Tcp,
+            &["10.244.1.2", "10.244.2.2"],
+        )]);
+        let report = p.sync(&st).expect("sync");
+        assert!(report.full);
+        assert_eq!(
+            dests(&p, tcp_key("10.96.0.10", 80)),
+            vec![(sa("10.244.1.2:8080"), 1), (sa("10.244.2.2:8080"), 1)]
+        );
+        let (vs, _) = &p.ipvs.table()[&tcp_key("10.96.0.10", 80)];
+        assert_eq!(vs.scheduler, "rr");
+        assert_eq!(p.host.links[DUMMY_DEVICE], BTreeSet::from([ip("10.96.0.10")]));
+        assert_eq!(
+            p.host.sets["KUBE-CLUSTER-IP"],
+            BTreeSet::from(["10.96.0.10,tcp:80".to_string()])
+        );
+        // Every set exists, even empty.
+        for info in IPSETS {
+            assert!(p.host.sets.contains_key(info.name), "{}", info.name);
+        }
+        assert_eq!(p.ipt.restores.len(), 1);
+        assert!(p.ipt.restores[0].contains("-A KUBE-SERVICES"));
+        // The jumps end up in the rendered order in each built-in chain.
+        for j in super::super::render::jump_rules() {
+            assert!(
+                p.ipt
+                    .rules
+                    .contains(&format!("{}/{} {}", j.table, j.chain, j.args.join(" "))),
+                "{j:?}"
+            );
+        }
+        // Each is inserted at the top: the last inserted is evaluated first.
+        let mut inserted: Vec<&str> = p
+            .ipt
+            .commands
+            .iter()
+            .filter(|c| c.contains(" -I INPUT "))
+            .filter_map(|c| c.rsplit(' ').next())
+            .collect();
+        inserted.reverse();
+        let rendered: Vec<&str> = rs_jumps_of("INPUT");
+        assert_eq!(inserted, rendered);
+        assert_eq!(p.host.sysctls["net/ipv4/vs/conntrack"], "1");
+        assert_eq!(p.host.sysctls["net/ipv4/vs/expire_nodest_conn"], "1");
+        assert_eq!(p.host.sysctls["net/ipv4/vs/expire_quiescent_template"], "1");
+        assert_eq!(p.host.sysctls["net/ipv4/ip_forward"], "1");
+        assert!(!p.host.sysctls.contains_key("net/ipv4/conf/all/arp_ignore"));
+        assert!(p.intact());
+    }
+
+    fn rs_jumps_of(chain: &str) -> Vec<&'static str> {
+        super::super::render::jump_rules()
+            .into_iter()
+            .filter(|j| j.chain == chain)
+            .filter_map(|j| {
+                super::super::names::FILTER_CHAINS
+                    .iter()
+                    .find(|c| j.args.last().is_some_and(|a| a == *c))
+                    .copied()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn an_unchanged_sync_changes_nothing() {
+        let mut p = proxier();
+        let st = state(vec![port("web", "10.96.0.10", Protocol::Tcp, &["10.244.1.2"])]);
+        p.sync(&st).expect("sync");
+        p.ipvs.take_calls();
+        let host_calls = p.host.calls.len();
+        let restores = p.ipt.restores.len();
+        let report = p.sync(&st).expect("sync");
+        assert!(!report.full);
+        assert!(p.ipvs.calls().iter().all(|c| !c.is_mutation()), "{:?}", p.ipvs.calls());
+        assert_eq!(p.host.calls.len(), host_calls);
+        assert_eq!(p.ipt.restores.len(), restores);
+        // A forced full sync lists and compares, but changes nothing either.
+        p.force_full_sync();
+        let report = p.sync(&st).expect("sync");
+        assert!(report.full);
+        assert!(p.ipvs.calls().iter().all(|c| !c.is_mutation()), "{:?}", p.ipvs.calls());
+        assert_eq!(p.host.calls.len(), host_calls, "{:?}", p.host.calls);
+    }
+
+    #[test]
+    fn ipsets_are_changed_entry_by_entry_never_flushed() {
+        let mut p = proxier();
+        p.sync(&state(vec![
+            port("a", "10.96.0.10", Protocol::Tcp, &["10.244.1.2"]),
+            port("b", "10.96.0.11", Protocol::Tcp, &["10.244.1.2"]),
+        ]))
+        .expect("sync");
+        p.sync(&state(vec![
+            port("a", "10.96.0.10", Protocol::Tcp, &["10.244.1.2"]),
+            port("c", "10.96.0.12", Protocol::Tcp, &["10.244.1.2"]),
+        ]))
+        .expect("sync");
+        let last = p.host.restores.last().expect("a restore");
+        assert!(last.contains("add KUBE-CLUSTER-IP 10.96.0.12,tcp:80\n"), "{last}");
+        assert!(last.contains("del KUBE-CLUSTER-IP 10.96.0.11,tcp:80\n"), "{last}");
+        assert!(
+            !last.contains("10.96.0.10,tcp:80"),
+            "unchanged entries untouched: {last}"
+        );
+        assert!(!last.contains("flush") && !last.contains("destroy") && !last.contains("swap"));
+        assert_eq!(
+            p.host.sets["KUBE-CLUSTER-IP"],
+            BTreeSet::from(["10.96.0.10,tcp:80".to_string(), "10.96.0.12,tcp:80".to_string()])
+        );
+        // The address of the removed Service is unbound, its virtual server deleted.
+        assert_eq!(
+            p.host.links[DUMMY_DEVICE],
+            BTreeSet::from([ip("10.96.0.10"), ip("10.96.0.12")])
+        );
+        assert!(!p.ipvs.table().contains_key(&tcp_key("10.96.0.11", 80)));
+    }
+
+    #[test]
+    fn host_sized_nets_compare_as_ipset_prints_them() {
+        let mut p = proxier();
+        let st = state(vec![port("a", "10.96.0.10", Protocol::Tcp, &["10.244.1.2"])]);
+        let rs = render(&st, &p.opts);
+        p.host.sets.insert(
+            "KUBE-LOAD-BALANCER-SOURCE-CIDR".into(),
+            BTreeSet::from(["1.2.3.4,tcp:80,10.0.0.1".to_string()]),
+        );
+        let mut rs2 = rs.clone();
+        for s in &mut rs2.ipsets {
+            if s.name == "KUBE-LOAD-BALANCER-SOURCE-CIDR" {
+                s.entries = vec!["1.2.3.4,tcp:80,10.0.0.1/32".into()];
+            }
+        }
+        let input = ipset_changes(&rs2, &p.host.sets);
+        assert!(!input.contains("1.2.3.4"), "same entry, other spelling: {input}");
+    }
+
+    #[test]
+    fn a_removed_endpoint_with_connections_drains_then_goes() {
+        let mut p = proxier();
+        let key = tcp_key("10.96.0.10", 80);
+        p.sync(&state(vec![port(
+            "web",
+            "10.96.0.10",
+            Protocol::Tcp,
+            &["10.244.1.2", "10.244.2.2"],
+        )]))
+        .expect("sync");
+        assert!(p.ipvs.set_conns(&key, sa("10.244.1.2:8080"), 1, 0));
+        let st = state(vec![port("web", "10.96.0.10", Protocol::Tcp, &["10.244.2.2"])]);
+        p.sync(&st).expect("sync");
+        assert_eq!(
+            dests(&p, key),
+            vec![(sa("10.244.1.2:8080"), 0), (sa("10.244.2.2:8080"), 1)],
+            "weight 0 while connected"
+        );
+        assert_eq!(p.draining(), vec![(key, sa("10.244.1.2:8080"))]);
+        let due = p.next_cleanup().expect("a re-check is scheduled");
+        assert!(due <= Instant::now() + DRAIN_CHECK_FIRST);
+
+        // Not due yet: an unchanged sync does not even look.
+        p.ipvs.take_calls();
+        p.sync(&st).expect("sync");
+        assert!(p.ipvs.calls().is_empty(), "{:?}", p.ipvs.calls());
+
+        // Due, still connected: kept, and the next check backs off.
+        p.next_check = Some(Instant::now());
+        p.sync(&st).expect("sync");
+        assert_eq!(dests(&p, key).len(), 2);
+        let later = p.next_cleanup().expect("still scheduled");
+        assert!(later > Instant::now() + DRAIN_CHECK_FIRST, "backed off");
+
+        // Inactive connections (TIME_WAIT, CLOSE...) still count for TCP.
+        assert!(p.ipvs.set_conns(&key, sa("10.244.1.2:8080"), 0, 3));
+        p.next_check = Some(Instant::now());
+        p.sync(&st).expect("sync");
+        assert_eq!(dests(&p, key).len(), 2);
+
+        assert!(p.ipvs.set_conns(&key, sa("10.244.1.2:8080"), 0, 0));
+        p.next_check = Some(Instant::now());
+        p.sync(&st).expect("sync");
+        assert_eq!(dests(&p, key), vec![(sa("10.244.2.2:8080"), 1)]);
+        assert!(p.draining().is_empty());
+        assert_eq!(p.next_cleanup(), None);
+    }
+
+    #[test]
+    fn a_draining_endpoint_that_comes_back_gets_its_weight_back() {
+        let mut p = proxier();
+        let key = tcp_key("10.96.0.10", 80);
+        let both = state(vec![port(
+            "web",
+            "10.96.0.10",
+            Protocol::Tcp,
+            &["10.244.1.2", "10.244.2.2"],
+        )]);
+        p.sync(&both).expect("sync");
+        p.ipvs.set_conns(&key, sa("10.244.1.2:8080"), 2, 0);
+        p.sync(&state(vec![port("web", "10.96.0.10", Protocol::Tcp, &["10.244.2.2"])]))
+            .expect("sync");
+        p.sync(&both).expect("sync");
+        assert_eq!(
+            dests(&p, key),
+            vec![(sa("10.244.1.2:8080"), 1), (sa("10.244.2.2:8080"), 1)]
+        );
+        assert!(p.draining().is_empty());
+    }
+
+    #[test]
+    fn udp_real_servers_go_at_once() {
+        let mut p = proxier();
+        let key = ServiceKey::Addr {
+            protocol: Protocol::Udp,
+            address: ip("10.96.0.53"),
+            port: 80,
+        };
+        p.sync(&state(vec![port(
+            "dns",
+            "10.96.0.53",
+            Protocol::Udp,
+            &["10.244.1.2", "10.244.2.2"],
+        )]))
+        .expect("sync");
+        p.ipvs.set_conns(&key, sa("10.244.1.2:8080"), 0, 5);
+        let report = p
+            .sync(&state(vec![port("dns", "10.96.0.53", Protocol::Udp, &["10.244.2.2"])]))
+            .expect("sync");
+        assert_eq!(dests(&p, key), vec![(sa("10.244.2.2:8080"), 1)]);
+        assert!(report.udp_endpoints_removed);
+        assert!(p.draining().is_empty());
+    }
+
+    #[test]
+    fn a_removed_service_drains_keeps_its_address_then_goes() {
+        let mut p = proxier();
+        let key = tcp_key("10.96.0.10", 80);
+        p.sync(&state(vec![port("web", "10.96.0.10", Protocol::Tcp, &["10.244.1.2"])]))
+            .expect("sync");
+        p.ipvs.set_conns(&key, sa("10.244.1.2:8080"), 1, 0);
+        let empty = state(vec![]);
+        p.sync(&empty).expect("sync");
+        assert_eq!(dests(&p, key), vec![(sa("10.244.1.2:8080"), 0)]);
+        assert!(
+            p.host.links[DUMMY_DEVICE].contains(&ip("10.96.0.10")),
+            "bound while its connections drain"
+        );
+        assert!(p.host.sets["KUBE-CLUSTER-IP"].is_empty(), "no new connections");
+        p.ipvs.set_conns(&key, sa("10.244.1.2:8080"), 0, 0);
+        p.next_check = Some(Instant::now());
+        p.sync(&empty).expect("sync");
+        assert!(p.ipvs.table().is_empty(), "{:?}", p.ipvs.table());
+        assert!(p.host.links[DUMMY_DEVICE].is_empty());
+        assert_eq!(p.next_cleanup(), None);
+    }
+
+    #[test]
+    fn other_users_virtual_servers_are_left_alone() {
+        let mut p = proxier();
+        // Someone else's, on a node address and on an address we never bound.
+        for (addr, port) in [("192.168.49.2", 443), ("172.16.0.1", 80)] {
+            let vs = VirtualServer::new(ip(addr), Protocol::Tcp, port, "wlc");
+            p.ipvs.add_service(&vs).expect("add");
+            p.ipvs
+                .add_dest(&vs, &RealServer::new(ip("10.0.0.9"), 443, 1))
+                .expect("add dest");
+        }
+        // A stale one of ours (on kube-ipvs0 from an earlier run), and one in an excluded CIDR.
+        p.host.links.insert(
+            DUMMY_DEVICE.into(),
+            BTreeSet::from([ip("10.96.0.99"), ip("10.100.0.1")]),
+        );
+        for addr in ["10.96.0.99", "10.100.0.1"] {
+            p.ipvs
+                .add_service(&VirtualServer::new(ip(addr), Protocol::Tcp, 80, "rr"))
+                .expect("add");
+        }
+        p.set_options(IpvsRenderOptions {
+            exclude_cidrs: vec!["10.100.0.0/16".parse().expect("cidr")],
+            ..IpvsRenderOptions::default()
+        });
+        p.sync(&state(vec![port("web", "10.96.0.10", Protocol::Tcp, &["10.244.1.2"])]))
+            .expect("sync");
+        let table = p.ipvs.table();
+        assert!(table.contains_key(&tcp_key("192.168.49.2", 443)));
+        assert!(table.contains_key(&tcp_key("172.16.0.1", 80)));
+        assert!(table.contains_key(&tcp_key("10.100.0.1", 80)), "excluded CIDR");
+        assert!(!table.contains_key(&tcp_key("10.96.0.99", 80)), "stale one of ours");
+        assert!(table.contains_key(&tcp_key("10.96.0.10", 80)));
+    }
+
+    #[test]
+    fn settings_changes_update_the_virtual_server_in_place() {
+        let mut p = proxier();
+        let key = tcp_key("10.96.0.10", 80);
+        let mut sp = port("web", "10.96.0.10", Protocol::Tcp, &["10.244.1.2"]);
+        p.sync(&state(vec![sp.clone()])).expect("sync");
+        sp.port.session_affinity_timeout = Some(600);
+        p.ipvs.take_calls();
+        p.sync(&state(vec![sp])).expect("sync");
+        let calls = p.ipvs.take_calls();
+        assert!(
+            calls
+                .iter()
+                .any(|c| matches!(c, Call::UpdateService(vs) if vs.persistent_timeout == Some(600))),
+            "{calls:?}"
+        );
+        assert!(
+            !calls
+                .iter()
+                .any(|c| matches!(c, Call::DeleteService(_) | Call::AddService(_)))
+        );
+        assert_eq!(p.ipvs.table()[&key].0.persistent_timeout, Some(600));
+    }
+
+    #[test]
+    fn timeouts_and_strict_arp_are_set_once() {
+        let mut p = proxier();
+        p.set_options(IpvsRenderOptions {
+            strict_arp: true,
+            tcp_timeout: Duration::from_secs(100),
+            udp_timeout: Duration::from_secs(7),
+            ..IpvsRenderOptions::default()
+        });
+        p.sync(&state(vec![])).expect("sync");
+        let t = p.ipvs.timeouts().expect("timeouts");
+        assert_eq!((t.tcp, t.tcp_fin, t.udp), (100, Timeouts::KERNEL_DEFAULT.tcp_fin, 7));
+        assert_eq!(p.host.sysctls["net/ipv4/conf/all/arp_ignore"], "1");
+        assert_eq!(p.host.sysctls["net/ipv4/conf/all/arp_announce"], "2");
+        p.ipvs.take_calls();
+        p.force_full_sync();
+        p.sync(&state(vec![])).expect("sync");
+        assert!(!p.ipvs.calls().iter().any(|c| matches!(c, Call::SetTimeouts(_))));
+    }
+
+    #[test]
+    fn a_failed_step_makes_the_next_sync_full() {
+        let mut p = proxier();
+        let st = state(vec![port("web", "10.96.0.10", Protocol::Tcp, &["10.244.1.2"])]);
+        p.host.fail_next_restore = true;
+        assert!(p.sync(&st).is_err());
+        let report = p.sync(&st).expect("retry");
+        assert!(report.full);
+        assert!(p.host.sets["KUBE-CLUSTER-IP"].contains("10.96.0.10,tcp:80"));
+        p.ipt.fail_next_restore = Some("iptables-restore: line 3 failed".into());
+        p.force_full_sync();
+        let err = p.sync(&st).expect_err("iptables failure");
+        assert!(err.to_string().contains("line 3"), "{err}");
+        assert!(p.sync(&st).expect("retry").full);
+    }
+
+    #[test]
+    fn conn_reuse_mode_only_on_affected_kernels() {
+        assert!(conn_reuse_mode_fix_needed("4.19.0-21-amd64"));
+        assert!(conn_reuse_mode_fix_needed("5.4.0"));
+        assert!(!conn_reuse_mode_fix_needed("5.9.0"));
+        assert!(!conn_reuse_mode_fix_needed("6.1.0-57-amd64"));
+        assert!(!conn_reuse_mode_fix_needed("3.10.0-1160.el7"));
+        assert!(!conn_reuse_mode_fix_needed(""));
+    }
+
+    #[test]
+    fn cleanup_removes_ours_only() {
+        let mut ipvs = FakeIpvs::new();
+        let mut host = FakeHost::default();
+        host.links
+            .insert(DUMMY_DEVICE.into(), BTreeSet::from([ip("10.96.0.10")]));
+        host.other = vec![ip("192.168.49.2")];
+        host.sets.insert("KUBE-CLUSTER-IP".into(), BTreeSet::new());
+        host.sets.insert("SOMEONE-ELSE".into(), BTreeSet::new());
+        let ours = VirtualServer::new(ip("10.96.0.10"), Protocol::Tcp, 80, "rr");
+        let node_port = VirtualServer::new(ip("192.168.49.2"), Protocol::Tcp, 30080, "rr");
+        let theirs = VirtualServer::new(ip("192.168.49.2"), Protocol::Tcp, 443, "rr");
+        for vs in [&ours, &node_port, &theirs] {
+            ipvs.add_service(vs).expect("add");
+        }
+        let mut ipt = Fake::default();
+        ipt.chains.insert("filter/KUBE-IPVS-FILTER".into());
+        ipt.chains.insert("nat/KUBE-SERVICES".into());
+        assert!(iptables_state_present(&mut ipt));
+        let errors = cleanup(Some(&mut ipvs), &mut [&mut ipt], &mut host, true);
+        assert!(errors.is_empty(), "{errors:?}");
+        let left: Vec<ServiceKey> = ipvs.table().keys().copied().collect();
+        assert_eq!(left, vec![theirs.key()]);
+        assert!(!host.links.contains_key(DUMMY_DEVICE));
+        assert_eq!(host.sets.keys().collect::<Vec<_>>(), vec!["SOMEONE-ELSE"]);
+        assert!(ipt.chains.is_empty(), "{:?}", ipt.chains);
+        assert!(!iptables_state_present(&mut ipt));
+    }
+
+    #[test]
+    fn node_port_virtual_servers_follow_the_node_addresses() {
+        let mut p = proxier();
+        let mut sp = port("web", "10.96.0.10", Protocol::Tcp, &["10.244.1.2"]);
+        sp.port.node_port = 30080;
+        p.sync(&state(vec![sp.clone()])).expect("sync");
+        let np = tcp_key("192.168.49.2", 30080);
+        assert!(p.ipvs.table().contains_key(&np));
+        assert!(
+            !p.host.links[DUMMY_DEVICE].contains(&ip("192.168.49.2")),
+            "node addresses are not bound"
+        );
+        // The NodePort goes away: its virtual server (ours, though not on kube-ipvs0) too.
+        sp.port.node_port = 0;
+        p.sync(&state(vec![sp])).expect("sync");
+        assert!(!p.ipvs.table().contains_key(&np));
+    }
+}
