@@ -25,6 +25,10 @@ use crate::iptables::exec::Exec;
 use crate::iptables::proxier::SyncReport;
 use crate::iptables::proxier::{Proxier, cleanup};
 use crate::iptables::render::{NodePortAddresses, RenderOptions};
+use crate::ipvs::host::HostExec;
+use crate::ipvs::netlink::IpvsHandle;
+use crate::ipvs::proxier::IpvsProxier;
+use crate::ipvs::render::IpvsRenderOptions;
 use crate::kube_source::ApiSource;
 use crate::manifest::Objects;
 use crate::metrics::Metrics;
@@ -80,33 +84,53 @@ pub fn families() -> Vec<IpFamily> {
     v
 }
 
+/// IPVS mode's proxier on the real kernel and tools.
+type IpvsDataplane = IpvsProxier<IpvsHandle, Exec, HostExec>;
+
 /// The dataplane of one family.
 enum Dataplane {
     Iptables(Box<Proxier<Exec>>),
     Nftables(NftProxier),
+    Ipvs(Box<IpvsDataplane>),
 }
 
 impl Dataplane {
-    fn new(cfg: &ProxyConfig, family: IpFamily, opts: RenderOptions) -> anyhow::Result<Dataplane> {
+    fn new(cfg: &ProxyConfig, family: IpFamily, objects: &Objects) -> anyhow::Result<Dataplane> {
         Ok(match cfg.mode {
-            ProxyMode::Nftables => Dataplane::Nftables(NftProxier::netlink(family, opts)?),
-            _ => Dataplane::Iptables(Box::new(Proxier::new(Exec::new(family), opts))),
+            ProxyMode::Nftables => Dataplane::Nftables(NftProxier::netlink(family, options(cfg, family, objects))?),
+            ProxyMode::Ipvs => {
+                let ipvs = IpvsHandle::new().context("IPVS mode")?;
+                Dataplane::Ipvs(Box::new(IpvsProxier::new(
+                    family,
+                    ipvs_options(cfg, family, objects),
+                    ipvs,
+                    Exec::new(family),
+                    HostExec,
+                )))
+            }
+            ProxyMode::Iptables => {
+                Dataplane::Iptables(Box::new(Proxier::new(Exec::new(family), options(cfg, family, objects))))
+            }
         })
     }
 
-    /// Our canaries (iptables) or our table (nftables) are still there.
+    /// Our canaries (iptables), our table (nftables), or our entry jump and dummy link (IPVS)
+    /// are still there.
     fn intact(&mut self) -> bool {
         match self {
             Dataplane::Iptables(p) => p.canaries_intact(),
             Dataplane::Nftables(p) => p.table_exists(),
+            Dataplane::Ipvs(p) => p.intact(),
         }
     }
 
-    /// When a sync is due without any change (nftables: deleting chains flushed earlier).
+    /// When a sync is due without any change (nftables: deleting chains flushed earlier; IPVS:
+    /// re-checking real servers that drain).
     fn cleanup_due(&self) -> Option<Instant> {
         match self {
             Dataplane::Iptables(_) => None,
             Dataplane::Nftables(p) => p.next_cleanup(),
+            Dataplane::Ipvs(p) => p.next_cleanup(),
         }
     }
 
@@ -114,13 +138,15 @@ impl Dataplane {
         match self {
             Dataplane::Iptables(p) => p.force_full_sync(),
             Dataplane::Nftables(p) => p.force_full_sync(),
+            Dataplane::Ipvs(p) => p.force_full_sync(),
         }
     }
 
-    fn set_options(&mut self, opts: RenderOptions) {
+    fn set_options(&mut self, cfg: &ProxyConfig, family: IpFamily, objects: &Objects) {
         match self {
-            Dataplane::Iptables(p) => p.set_options(opts),
-            Dataplane::Nftables(p) => p.set_options(opts),
+            Dataplane::Iptables(p) => p.set_options(options(cfg, family, objects)),
+            Dataplane::Nftables(p) => p.set_options(options(cfg, family, objects)),
+            Dataplane::Ipvs(p) => p.set_options(ipvs_options(cfg, family, objects)),
         }
     }
 
@@ -129,6 +155,7 @@ impl Dataplane {
         match self {
             Dataplane::Iptables(p) => p.sync(state).map_err(|e| (e.to_string(), p.last_attempt_full())),
             Dataplane::Nftables(p) => p.sync(state).map_err(|e| (e.to_string(), true)),
+            Dataplane::Ipvs(p) => p.sync(state).map_err(|e| (e.to_string(), true)),
         }
     }
 }
@@ -163,6 +190,12 @@ impl Source {
 pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
     let cfg = &opts.config;
     let node_name = cfg.node_name();
+    if cfg.mode == ProxyMode::Ipvs {
+        // Never a silent fallback: without IPVS or the scheduler's module, refuse to start
+        // (before anything on the node is touched).
+        let scheduler = ipvs_options(cfg, IpFamily::V4, &Objects::default()).scheduler;
+        crate::ipvs::proxier::check_kernel(&scheduler)?;
+    }
     info!(mode = cfg.mode.as_str(), node = %node_name, "Starting kube-proxy");
     let warnings = conntrack::apply_sysctls_and_hashsize(
         &cfg.conntrack,
@@ -200,7 +233,7 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
         .map(|family| {
             Ok(FamilyProxier {
                 family,
-                proxier: Dataplane::new(cfg, family, options(cfg, family, &Objects::default()))?,
+                proxier: Dataplane::new(cfg, family, &Objects::default())?,
                 pending: true,
             })
         })
@@ -272,7 +305,7 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
         }
         let mut states = Vec::new();
         for p in proxiers.iter_mut().filter(|p| p.pending) {
-            p.proxier.set_options(options(cfg, p.family, current));
+            p.proxier.set_options(cfg, p.family, current);
             match sync_family(cfg, p, current) {
                 Ok((state, report)) => {
                     telemetry.synced(p.family, &report);
@@ -566,6 +599,10 @@ fn options(cfg: &ProxyConfig, family: IpFamily, objects: &Objects) -> RenderOpti
     opts
 }
 
+fn ipvs_options(cfg: &ProxyConfig, family: IpFamily, objects: &Objects) -> IpvsRenderOptions {
+    IpvsRenderOptions::from_config(cfg, family, &app::node_info(objects, cfg))
+}
+
 fn read_sysctl(key: &str) -> Option<String> {
     std::fs::read_to_string(format!("/proc/sys/{key}"))
         .ok()
@@ -633,7 +670,7 @@ fn clean_conntrack(family: IpFamily, state: &crate::model::ProxyState) {
     }
 }
 
-/// Removes the rules of the modes other than `mode` (switching modes, both ways).
+/// Removes the rules of the modes other than `mode` (switching modes, every way).
 fn remove_other_modes(mode: ProxyMode) {
     if mode != ProxyMode::Nftables {
         for family in [IpFamily::V4, IpFamily::V6] {
@@ -644,19 +681,83 @@ fn remove_other_modes(mode: ProxyMode) {
             }
         }
     }
-    if mode != ProxyMode::Iptables {
-        for family in families() {
-            for e in cleanup(&mut Exec::new(family)) {
-                warn!(ip_family = %family, error = %e, "Could not remove the iptables mode's rules");
+    // IPVS mode's state goes before iptables mode's: it references chains the two share.
+    if mode != ProxyMode::Ipvs {
+        for e in remove_ipvs_mode(false) {
+            warn!(error = %e, "Could not remove the IPVS mode's state");
+        }
+    }
+    match mode {
+        ProxyMode::Nftables => remove_iptables_mode(),
+        // IPVS mode rewrites the chains it shares with iptables mode (KUBE-SERVICES, ...) on
+        // its first sync; iptables mode's own chains go only where iptables mode left some, so
+        // that restarting IPVS mode never empties its chains in between.
+        ProxyMode::Ipvs => {
+            if families().into_iter().any(|f| iptables_mode_present(&mut Exec::new(f))) {
+                remove_iptables_mode();
             }
+        }
+        ProxyMode::Iptables => {}
+    }
+}
+
+fn remove_iptables_mode() {
+    for family in families() {
+        for e in cleanup(&mut Exec::new(family)) {
+            warn!(ip_family = %family, error = %e, "Could not remove the iptables mode's rules");
         }
     }
 }
 
-/// `--cleanup`: removes everything we own in both families (iptables chains and jumps, and the
-/// nftables `kube-proxy` tables of the nftables mode). Returns the errors met.
+/// Whether iptables mode left its own chains (ones IPVS mode does not have).
+fn iptables_mode_present(ipt: &mut Exec) -> bool {
+    use crate::iptables::exec::Iptables as _;
+    [
+        ("nat", crate::iptables::names::KUBE_NODEPORTS),
+        ("nat", crate::iptables::names::KUBE_PROXY_CANARY),
+        ("filter", crate::iptables::names::KUBE_EXTERNAL_SERVICES),
+    ]
+    .iter()
+    .any(|(table, chain)| ipt.chain_exists(table, chain).unwrap_or(false))
+}
+
+/// Removes IPVS mode's state where there is some: virtual servers (only when the kernel has
+/// IPVS loaded: without it there are none, and looking would load it), its iptables rules,
+/// ipsets and `kube-ipvs0`. Silent where there is nothing. With `all` (`--cleanup`), also
+/// NodePort-looking virtual servers on node addresses and the rules whatever is left.
+fn remove_ipvs_mode(all: bool) -> Vec<String> {
+    use crate::ipvs::host::IpvsHost as _;
+    let mut host = HostExec;
+    let mut ipts: Vec<Exec> = families().into_iter().map(Exec::new).collect();
+    let link = host.link_exists(crate::ipvs::names::DUMMY_DEVICE).unwrap_or(false);
+    let rules = ipts.iter_mut().any(|i| crate::ipvs::proxier::iptables_state_present(i));
+    let mut ipvs = if std::path::Path::new("/proc/net/ip_vs").exists() {
+        IpvsHandle::new().ok()
+    } else {
+        None
+    };
+    if !(all || link || rules) {
+        return Vec::new();
+    }
+    let mut refs: Vec<&mut dyn crate::iptables::exec::Iptables> = ipts
+        .iter_mut()
+        .map(|i| i as &mut dyn crate::iptables::exec::Iptables)
+        .collect();
+    crate::ipvs::proxier::cleanup(
+        ipvs.as_mut().map(|h| h as &mut dyn crate::ipvs::netlink::Ipvs),
+        &mut refs,
+        &mut host,
+        all,
+    )
+}
+
+/// `--cleanup`: removes everything we own in both families (iptables chains and jumps, the
+/// nftables `kube-proxy` tables of the nftables mode, and IPVS mode's virtual servers, ipsets
+/// and `kube-ipvs0`). Returns the errors met.
 pub fn cleanup_all() -> Vec<String> {
     let mut errors = Vec::new();
+    // IPVS mode's rules first: its chains share names with iptables mode's.
+    errors.extend(remove_ipvs_mode(true).into_iter().map(|e| format!("IPVS mode: {e}")));
     for family in families() {
         let mut ipt = Exec::new(family);
         errors.extend(cleanup(&mut ipt).into_iter().map(|e| format!("{family}: {e}")));

@@ -283,7 +283,7 @@ struct ProxyFlags {
         long,
         global = true,
         value_name = "DURATION",
-        help_heading = "IPVS mode (not implemented)",
+        help_heading = "IPVS mode",
         allow_hyphen_values = true
     )]
     ipvs_sync_period: Option<String>,
@@ -292,7 +292,7 @@ struct ProxyFlags {
         long,
         global = true,
         value_name = "DURATION",
-        help_heading = "IPVS mode (not implemented)",
+        help_heading = "IPVS mode",
         allow_hyphen_values = true
     )]
     ipvs_min_sync_period: Option<String>,
@@ -301,7 +301,7 @@ struct ProxyFlags {
         long,
         global = true,
         value_name = "NAME",
-        help_heading = "IPVS mode (not implemented)",
+        help_heading = "IPVS mode",
         allow_hyphen_values = true
     )]
     ipvs_scheduler: Option<String>,
@@ -311,18 +311,18 @@ struct ProxyFlags {
         global = true,
         value_delimiter = ',',
         value_name = "CIDR,...",
-        help_heading = "IPVS mode (not implemented)"
+        help_heading = "IPVS mode"
     )]
     ipvs_exclude_cidrs: Option<Vec<String>>,
     /// Set arp_ignore=1 and arp_announce=2.
-    #[arg(long, global = true, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = go_bool, value_name = "BOOL", help_heading = "IPVS mode (not implemented)")]
+    #[arg(long, global = true, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = go_bool, value_name = "BOOL", help_heading = "IPVS mode")]
     ipvs_strict_arp: Option<bool>,
     /// Idle timeout of IPVS TCP connections; 0 leaves it as is.
     #[arg(
         long,
         global = true,
         value_name = "DURATION",
-        help_heading = "IPVS mode (not implemented)",
+        help_heading = "IPVS mode",
         allow_hyphen_values = true
     )]
     ipvs_tcp_timeout: Option<String>,
@@ -331,7 +331,7 @@ struct ProxyFlags {
         long,
         global = true,
         value_name = "DURATION",
-        help_heading = "IPVS mode (not implemented)",
+        help_heading = "IPVS mode",
         allow_hyphen_values = true
     )]
     ipvs_tcpfin_timeout: Option<String>,
@@ -340,7 +340,7 @@ struct ProxyFlags {
         long,
         global = true,
         value_name = "DURATION",
-        help_heading = "IPVS mode (not implemented)",
+        help_heading = "IPVS mode",
         allow_hyphen_values = true
     )]
     ipvs_udp_timeout: Option<String>,
@@ -744,9 +744,6 @@ fn daemon(cfg: ProxyConfig, flags: DaemonFlags) -> anyhow::Result<ExitCode> {
         );
         info!(warnings = warnings.len(), "Initialization done (--init-only)");
         return Ok(ExitCode::SUCCESS);
-    }
-    if cfg.mode == ProxyMode::Ipvs {
-        bail!("proxy mode \"ipvs\" is not supported by this build yet; use iptables or nftables");
     }
     let source = match flags.manifests {
         Some(dir) => {

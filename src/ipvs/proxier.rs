@@ -656,6 +656,15 @@ pub fn iptables_state_present(ipt: &mut dyn Iptables) -> bool {
         .unwrap_or(false)
 }
 
+/// Chains whose names iptables mode uses too.
+const SHARED_WITH_IPTABLES_MODE: [(&str, &str); 5] = [
+    ("nat", super::names::KUBE_SERVICES),
+    ("nat", super::names::KUBE_POSTROUTING),
+    ("nat", super::names::KUBE_MARK_MASQ),
+    ("filter", super::names::KUBE_FORWARD),
+    ("filter", super::names::KUBE_PROXY_FIREWALL),
+];
+
 /// Deletes IPVS mode's jumps and chains in one family.
 fn cleanup_iptables(ipt: &mut dyn Iptables) -> Vec<String> {
     let mut errors = Vec::new();
@@ -683,7 +692,11 @@ fn cleanup_iptables(ipt: &mut dyn Iptables) -> Vec<String> {
             }
         }
         for c in &present {
-            if let Err(e) = ipt.run(table, &["-X", c], &[]) {
+            // A chain iptables mode shares may still be referenced by that mode's rules (when
+            // both left state): its own cleanup deletes it.
+            if let Err(e) = ipt.run(table, &["-X", c], &[])
+                && !SHARED_WITH_IPTABLES_MODE.contains(&(table, *c))
+            {
                 errors.push(e.to_string());
             }
         }
