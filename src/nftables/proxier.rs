@@ -397,28 +397,45 @@ impl NftProxier {
         };
         let now = Instant::now();
         let mut plan = Plan::default();
-        let mut seen: HashSet<&ServicePortName> = HashSet::with_capacity(state.service_ports.len());
+        // Ports still present that were programmed before; when that is all of them, nothing
+        // was removed and the (per-sync, 40k-entry) search for removed ports is skipped.
+        let mut kept = 0usize;
         for sps in &state.service_ports {
             let name = &sps.port.name;
-            seen.insert(name);
             let old = applied.services.get(name);
+            if old.is_some() {
+                kept += 1;
+            }
             if old == Some(sps) {
                 continue;
             }
+            let was_new = old.is_none();
             let old_objs = old.map(|o| ServiceObjects::from_ops(applied.renderer.service(o).ops));
             if let Some(o) = old {
                 plan.udp_endpoints_removed |= lost_udp_endpoints(o, sps);
             }
             let new_objs = ServiceObjects::from_ops(applied.renderer.service(sps).ops);
             plan_service(&mut plan, applied, name, old_objs, Some(new_objs));
+            if was_new {
+                // Counted as kept from now on: it is in `applied.services` below.
+                kept += 1;
+            }
             applied.services.insert(name.clone(), sps.clone());
         }
-        let gone: Vec<ServicePortName> = applied.services.keys().filter(|n| !seen.contains(n)).cloned().collect();
-        for name in gone {
-            if let Some(old) = applied.services.remove(&name) {
-                plan.udp_endpoints_removed |= old.port.protocol == Protocol::Udp;
-                let old_objs = ServiceObjects::from_ops(applied.renderer.service(&old).ops);
-                plan_service(&mut plan, applied, &name, Some(old_objs), None);
+        if kept < applied.services.len() {
+            let present: HashSet<&ServicePortName> = state.service_ports.iter().map(|s| &s.port.name).collect();
+            let gone: Vec<ServicePortName> = applied
+                .services
+                .keys()
+                .filter(|n| !present.contains(n))
+                .cloned()
+                .collect();
+            for name in gone {
+                if let Some(old) = applied.services.remove(&name) {
+                    plan.udp_endpoints_removed |= old.port.protocol == Protocol::Udp;
+                    let old_objs = ServiceObjects::from_ops(applied.renderer.service(&old).ops);
+                    plan_service(&mut plan, applied, &name, Some(old_objs), None);
+                }
             }
         }
         // Chains flushed long enough ago (and not used again) can go now.
