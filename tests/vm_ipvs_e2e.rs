@@ -1,0 +1,493 @@
+//! End-to-end in IPVS mode on a real IPVS kernel: the test VM (`vm/run`), since this machine's
+//! own kernel has none. Needs root, qemu and Debian's kernel (see .ci/run); fails, never skips,
+//! without them.
+//!
+//! One VM boot for the whole file: on the host, [`ipvs_e2e_in_vm`] re-runs this test binary in
+//! the VM (`--exact ipvs_e2e_in_vm` with `KUBE_PROXY_IN_VM=1`), where the same test builds the
+//! namespace test bed of `tests/e2e.rs` (`kube_proxy::lab::testbed`), starts the real daemon in
+//! its node namespace with `--proxy-mode=ipvs --manifests`, and sends real traffic:
+//! - `/proxyMode` and the log say `ipvs`;
+//! - rr: a ClusterIP's connections go round the endpoints in turn, exactly (and pass the
+//!   chi-square test of the iptables suite);
+//! - NodePort from the outside host (masqueraded), externalTrafficPolicy Local (client address
+//!   kept, local endpoints only), loadBalancerSourceRanges (allowed source in, other dropped),
+//!   sessionAffinity ClientIP (one endpoint for every connection);
+//! - a Service without endpoints: the kernel answers ICMP port unreachable itself (IPVS has a
+//!   virtual server without real servers), so a client sees "connection refused" at once;
+//! - graceful termination: an endpoint removed while a TCP connection to it is open keeps that
+//!   connection (weight 0, no new connections), and its real server goes once the connection
+//!   has closed;
+//! - sh (`--ipvs-scheduler=sh`, the daemon restarted): every client address sticks to one
+//!   endpoint;
+//! - `--cleanup` removes the virtual servers, `kube-ipvs0` and the ipsets.
+
+#[path = "support/vm.rs"]
+mod vm;
+
+use std::time::{Duration, Instant};
+
+use vm::run_in_vm;
+
+const IN_VM: &str = "KUBE_PROXY_IN_VM";
+/// Printed by the in-VM run when every check passed, so that the host knows the checks ran.
+const ALL_PASSED: &str = "vm-ipvs-e2e: all checks passed";
+
+#[test]
+fn ipvs_e2e_in_vm() {
+    if std::env::var_os(IN_VM).is_some() {
+        in_vm::run();
+        println!("{ALL_PASSED}");
+        return;
+    }
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let exe = exe.to_str().expect("a UTF-8 path");
+    let started = Instant::now();
+    let out = run_in_vm(
+        &[
+            "env",
+            &format!("{IN_VM}=1"),
+            exe,
+            "--exact",
+            "ipvs_e2e_in_vm",
+            "--nocapture",
+            "--test-threads=1",
+        ],
+        Duration::from_secs(600),
+    );
+    eprintln!(
+        "VM run took {:.1} s; its output:\n{}",
+        started.elapsed().as_secs_f64(),
+        out.output
+    );
+    assert_eq!(out.code, 0, "the in-VM checks failed (output above)");
+    assert!(out.output.contains(ALL_PASSED), "the in-VM checks did not run");
+}
+
+mod in_vm {
+    use std::collections::BTreeMap;
+    use std::io::{BufRead, BufReader, Read, Write};
+    use std::net::{SocketAddr, TcpStream};
+    use std::path::{Path, PathBuf};
+    use std::time::{Duration, Instant};
+
+    use kube_proxy::lab::netns::ChildGuard;
+    use kube_proxy::lab::probe::{ProbeArgs, ProbeReport};
+    use kube_proxy::lab::scenario::{Ep, ServiceSpec, manifests};
+    use kube_proxy::lab::testbed::{Testbed, TestbedSpec};
+    use nix::sched::{CloneFlags, setns};
+
+    const BIN: &str = env!("CARGO_BIN_EXE_kube-proxy");
+    const WEB: &str = "10.96.165.10";
+    const EMPTY: &str = "10.96.165.11";
+    const STICKY: &str = "10.96.165.12";
+    const LB_CIP: &str = "10.96.165.13";
+    const LB_IP: &str = "203.0.113.10";
+    const LOCAL: &str = "10.96.165.14";
+    const DRAIN: &str = "10.96.165.15";
+    const WEB_NODE_PORT: u16 = 32517;
+    const LB_NODE_PORT: u16 = 32518;
+    const LOCAL_NODE_PORT: u16 = 32519;
+
+    fn sa(ip: &str, port: u16) -> SocketAddr {
+        SocketAddr::new(ip.parse().expect("test address"), port)
+    }
+
+    /// Polls `check` until true; panics after `timeout`. Returns the time it took.
+    fn wait_until(timeout: Duration, what: &str, mut check: impl FnMut() -> bool) -> Duration {
+        let start = Instant::now();
+        loop {
+            if check() {
+                return start.elapsed();
+            }
+            assert!(
+                start.elapsed() < timeout,
+                "timed out after {timeout:?} waiting for {what}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Runs `f` on a thread inside the named network namespace (`/run/netns/NAME`). Sockets it
+    /// creates stay in that namespace after it returns them.
+    fn in_netns<T: Send>(name: &str, f: impl FnOnce() -> T + Send) -> T {
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let fd = std::fs::File::open(Path::new("/run/netns").join(name)).expect("the namespace exists");
+                setns(&fd, CloneFlags::CLONE_NEWNET).expect("setns (needs root)");
+                f()
+            })
+            .join()
+            .unwrap_or_else(|p| std::panic::resume_unwind(p))
+        })
+    }
+
+    /// A manifest directory, removed on drop.
+    struct Dir(PathBuf);
+
+    impl Dir {
+        fn write(&self, yaml: &str) {
+            let tmp = self.0.join(".services.yaml.tmp");
+            std::fs::write(&tmp, yaml).expect("write manifests");
+            std::fs::rename(&tmp, self.0.join("services.yaml")).expect("rename manifests");
+        }
+    }
+
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    /// The test bed's Services; `drain` lists the endpoints of the graceful-termination one.
+    fn services(bed: &Testbed, drain: &[Ep]) -> String {
+        let all: Vec<Ep> = bed.endpoints().iter().map(|e| Ep::local(e.ip)).collect();
+        let first = [Ep::local(bed.endpoint(0).ip)];
+        let mut web = ServiceSpec::new("web", WEB, &all);
+        web.node_port = Some(WEB_NODE_PORT);
+        let empty = ServiceSpec::new("empty", EMPTY, &[]);
+        let mut sticky = ServiceSpec::new("sticky", STICKY, &all);
+        sticky.spec_extra = "  sessionAffinity: ClientIP\n";
+        let mut lb = ServiceSpec::new("lb", LB_CIP, &first);
+        lb.node_port = Some(LB_NODE_PORT);
+        lb.load_balancer_ip = Some(LB_IP);
+        lb.spec_extra = "  loadBalancerSourceRanges: [\"192.168.49.77/32\"]\n";
+        let mixed = [
+            Ep::local(bed.endpoint(0).ip),
+            Ep {
+                ip: bed.endpoint(1).ip,
+                node: "node-b",
+            },
+        ];
+        let mut local = ServiceSpec::new("local", LOCAL, &mixed);
+        local.node_port = Some(LOCAL_NODE_PORT);
+        local.spec_extra = "  externalTrafficPolicy: Local\n";
+        let drain = ServiceSpec::new("drain", DRAIN, drain);
+        manifests(&[web, empty, sticky, lb, local, drain])
+    }
+
+    struct Node {
+        bed: Testbed,
+        dir: Dir,
+        daemon: Option<ChildGuard>,
+    }
+
+    impl Node {
+        fn start_daemon(&mut self, extra: &[&str]) {
+            drop(self.daemon.take());
+            let mut args: Vec<String> = [
+                "--proxy-mode=ipvs", "--hostname-override=node-a", "--cluster-cidr=10.244.0.0/16",
+                "--ipvs-min-sync-period=0s", "--ipvs-sync-period=2s", "--manifests",
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+            args.push(self.dir.0.display().to_string());
+            args.extend(extra.iter().map(|s| s.to_string()));
+            let started = Instant::now();
+            let daemon = self.bed.spawn_in_node(Path::new(BIN), &args).expect("daemon starts");
+            daemon
+                .wait_for_log("Synced rules", Duration::from_secs(60))
+                .expect("first sync");
+            println!("daemon {extra:?}: first sync after {:?}", started.elapsed());
+            println!("{}", daemon.log());
+            self.daemon = Some(daemon);
+        }
+
+        fn log(&self) -> String {
+            self.daemon.as_ref().map(ChildGuard::log).unwrap_or_default()
+        }
+
+        fn ipvsadm(&self, args: &[&str]) -> String {
+            self.bed.node.exec_ok("ipvsadm", args).expect("ipvsadm")
+        }
+
+        /// The real servers of a TCP virtual server: address → (weight, active, inactive).
+        fn real_servers(&self, vip: SocketAddr) -> BTreeMap<SocketAddr, (u32, u32, u32)> {
+            let out = self.ipvsadm(&["-Ln", "-t", &vip.to_string()]);
+            out.lines()
+                .filter_map(|l| l.trim().strip_prefix("-> "))
+                .filter_map(|l| {
+                    let w: Vec<&str> = l.split_whitespace().collect();
+                    let addr = w.first()?.parse().ok()?;
+                    Some((
+                        addr,
+                        (
+                            w.get(2)?.parse().ok()?,
+                            w.get(3)?.parse().ok()?,
+                            w.get(4)?.parse().ok()?,
+                        ),
+                    ))
+                })
+                .collect()
+        }
+
+        fn probe(&self, from: &kube_proxy::lab::netns::Netns, args: &ProbeArgs) -> ProbeReport {
+            self.bed.probe(from, args).expect("probe runs")
+        }
+    }
+
+    pub fn run() {
+        let started = Instant::now();
+        let mut spec = TestbedSpec::new("kpv", BIN);
+        spec.endpoints = 3;
+        let bed = Testbed::build(&spec).expect("test bed builds");
+        println!("test bed built in {:?}", started.elapsed());
+        let dir = Dir(std::env::temp_dir().join(format!("kp-vm-ipvs-{}", std::process::id())));
+        std::fs::create_dir_all(&dir.0).expect("manifest dir");
+        dir.write(&services(&bed, &[Ep::local(bed.endpoint(0).ip)]));
+        let mut node = Node { bed, dir, daemon: None };
+        node.start_daemon(&[]);
+
+        let t = Instant::now();
+        mode_is_ipvs(&node);
+        round_robin(&node);
+        node_port_and_local_policy(&node);
+        zero_endpoints(&node);
+        session_affinity(&node);
+        source_ranges(&node);
+        graceful_termination(&node);
+        println!("rr checks took {:?}", t.elapsed());
+
+        node.start_daemon(&["--ipvs-scheduler=sh"]);
+        source_hashing(&node);
+        cleanup(&mut node);
+        println!("in-VM total {:?}", started.elapsed());
+    }
+
+    fn mode_is_ipvs(node: &Node) {
+        let log = node.log();
+        assert!(
+            log.lines()
+                .any(|l| l.contains("Starting kube-proxy") && l.contains("ipvs")),
+            "{log}"
+        );
+        let body = in_netns(node.bed.node.name(), || {
+            let mut s = TcpStream::connect("127.0.0.1:10249").expect("metrics server");
+            s.write_all(b"GET /proxyMode HTTP/1.0\r\nHost: localhost\r\n\r\n")
+                .expect("request");
+            let mut out = String::new();
+            s.read_to_string(&mut out).expect("response");
+            out
+        });
+        assert!(body.starts_with("HTTP/1.") && body.contains(" 200 "), "{body}");
+        assert_eq!(body.split("\r\n\r\n").nth(1).map(str::trim), Some("ipvs"), "{body}");
+        let list = node.ipvsadm(&["-Ln"]);
+        assert!(list.contains(&format!("TCP  {WEB}:80 rr")), "{list}");
+        let links = node
+            .bed
+            .node
+            .ip(["-o", "addr", "show", "dev", "kube-ipvs0"])
+            .expect("ip addr");
+        for vip in [WEB, EMPTY, STICKY, LB_CIP, LB_IP, LOCAL, DRAIN] {
+            assert!(
+                links.contains(&format!("inet {vip}/32")),
+                "{vip} on kube-ipvs0:\n{links}"
+            );
+        }
+    }
+
+    fn round_robin(node: &Node) {
+        let n = 300;
+        let report = node.probe(&node.bed.client, &ProbeArgs::tcp(sa(WEB, 80)).with_count(n));
+        assert_eq!(report.ok_count(), n as usize, "{:?}", report.errors());
+        let names: Vec<&str> = report.attempts.iter().filter_map(|a| a.name.as_deref()).collect();
+        // rr: the same cycle of the three endpoints, over and over.
+        assert!(
+            names.iter().enumerate().all(|(i, name)| *name == names[i % 3]),
+            "round robin: {:?}",
+            &names[..12.min(names.len())]
+        );
+        let counts = report.names();
+        assert_eq!(counts.len(), 3, "{counts:?}");
+        assert!(counts.values().all(|&c| c == 100), "{counts:?}");
+        // The iptables suite's chi-square test of a uniform split (2 degrees of freedom,
+        // p = 0.001 → 13.816) holds trivially for an exact split; kept as the common bound.
+        let chi2: f64 = counts.values().map(|&c| (c as f64 - 100.0).powi(2) / 100.0).sum();
+        assert!(chi2 < 13.816, "χ² = {chi2}");
+        // In-cluster clients are not masqueraded.
+        assert_eq!(
+            report.seen_sources().into_iter().collect::<Vec<_>>(),
+            vec![node.bed.client_ip()]
+        );
+        println!("rr: 300 connections {counts:?}");
+    }
+
+    fn node_port_and_local_policy(node: &Node) {
+        let bed = &node.bed;
+        let outside = bed.outside_ips()[0];
+        let r = node.probe(
+            &bed.outside,
+            &ProbeArgs::tcp(SocketAddr::new(bed.node_ip(), WEB_NODE_PORT))
+                .with_bind(outside)
+                .with_count(6),
+        );
+        assert!(r.all_ok(), "NodePort from outside: {:?}", r.errors());
+        assert_eq!(r.names().len(), 3, "{:?}", r.names());
+        let seen = r.seen_sources();
+        assert!(
+            !seen.contains(&outside) && seen.iter().all(|s| s.to_string().starts_with("10.244.")),
+            "masqueraded to a node address: {seen:?}"
+        );
+        // Local policy: only the local endpoint, and the client's own address.
+        let r = node.probe(
+            &bed.outside,
+            &ProbeArgs::tcp(SocketAddr::new(bed.node_ip(), LOCAL_NODE_PORT))
+                .with_bind(outside)
+                .with_count(6),
+        );
+        assert!(r.all_ok(), "{:?}", r.errors());
+        assert_eq!(
+            r.names(),
+            BTreeMap::from([(bed.endpoint(0).name.clone(), 6)]),
+            "local endpoint only"
+        );
+        assert_eq!(r.seen_sources().into_iter().collect::<Vec<_>>(), vec![outside]);
+        println!("NodePort: cluster policy masqueraded, Local policy keeps {outside}");
+    }
+
+    fn zero_endpoints(node: &Node) {
+        let r = node.probe(
+            &node.bed.client,
+            &ProbeArgs::tcp(sa(EMPTY, 80)).with_count(5).with_timeout_ms(2000),
+        );
+        println!("zero endpoints: {:?}", r.attempts);
+        for a in &r.attempts {
+            assert_eq!(
+                a.error.as_deref(),
+                Some("refused"),
+                "ICMP port unreachable from IPVS: {a:?}"
+            );
+            assert!(a.elapsed_us < 500_000, "at once: {a:?}");
+        }
+    }
+
+    fn session_affinity(node: &Node) {
+        let r = node.probe(&node.bed.client, &ProbeArgs::tcp(sa(STICKY, 80)).with_count(30));
+        assert_eq!(r.ok_count(), 30, "{:?}", r.errors());
+        assert_eq!(r.names().len(), 1, "one endpoint for all: {:?}", r.names());
+        let list = node.ipvsadm(&["-Ln", "-t", &format!("{STICKY}:80")]);
+        assert!(list.contains("persistent 10800"), "{list}");
+    }
+
+    fn source_ranges(node: &Node) {
+        let bed = &node.bed;
+        let [allowed, other] = bed.outside_ips();
+        let lb = sa(LB_IP, 80);
+        let ok = node.probe(&bed.outside, &ProbeArgs::tcp(lb).with_bind(allowed).with_count(3));
+        assert!(ok.all_ok(), "allowed source: {:?}", ok.errors());
+        let denied = node.probe(
+            &bed.outside,
+            &ProbeArgs::tcp(lb).with_bind(other).with_count(2).with_timeout_ms(700),
+        );
+        assert_eq!(
+            denied.errors(),
+            BTreeMap::from([("timeout".to_string(), 2)]),
+            "other source dropped"
+        );
+    }
+
+    fn graceful_termination(node: &Node) {
+        let bed = &node.bed;
+        let vip = sa(DRAIN, 80);
+        let (old, new) = (bed.endpoint(0), bed.endpoint(1));
+        // A connection to the only endpoint, held open.
+        let stream = in_netns(bed.client.name(), || {
+            TcpStream::connect_timeout(&vip, Duration::from_secs(3))
+        })
+        .expect("connect to the drain Service");
+        stream.set_read_timeout(Some(Duration::from_secs(3))).expect("timeout");
+        let mut reader = BufReader::new(stream.try_clone().expect("clone"));
+        let mut line = String::new();
+        reader.read_line(&mut line).expect("greeting");
+        assert!(line.starts_with(&format!("{} ", old.name)), "{line}");
+        let mut echo = |text: &str| {
+            (&stream).write_all(format!("{text}\n").as_bytes()).expect("write");
+            let mut back = String::new();
+            reader.read_line(&mut back).expect("echo");
+            assert_eq!(back.trim_end(), text);
+        };
+        echo("before");
+
+        node.dir.write(&services(bed, &[Ep::local(new.ip)]));
+        let changed = Instant::now();
+        let old_rs = old.server_addr();
+        wait_until(Duration::from_secs(15), "the old real server at weight 0", || {
+            let rs = node.real_servers(vip);
+            rs.get(&old_rs).is_some_and(|r| r.0 == 0) && rs.contains_key(&new.server_addr())
+        });
+        let rs = node.real_servers(vip);
+        assert_eq!(rs[&old_rs].1, 1, "one active connection: {rs:?}");
+        // New connections go to the new endpoint only; the open one still works.
+        let r = node.probe(&bed.client, &ProbeArgs::tcp(vip).with_count(5));
+        assert_eq!(r.names(), BTreeMap::from([(new.name.clone(), 5)]), "{:?}", r.errors());
+        echo("while draining");
+        assert!(node.real_servers(vip).contains_key(&old_rs), "kept while connected");
+
+        // A reset leaves the kernel's entry in CLOSE for 10 s (a FIN would leave TIME_WAIT
+        // for 2 min); the real server goes once no connection is counted.
+        nix::sys::socket::setsockopt(
+            &stream,
+            nix::sys::socket::sockopt::Linger,
+            &nix::libc::linger {
+                l_onoff: 1,
+                l_linger: 0,
+            },
+        )
+        .expect("SO_LINGER");
+        drop(reader);
+        drop(stream);
+        let closed = Instant::now();
+        wait_until(Duration::from_secs(45), "the drained real server deleted", || {
+            !node.real_servers(vip).contains_key(&old_rs)
+        });
+        println!(
+            "graceful termination: weight 0 {:?} after the change; deleted {:?} after the connection closed",
+            changed.elapsed() - closed.elapsed(),
+            closed.elapsed()
+        );
+        assert!(node.log().contains("Synced rules"), "the daemon re-checked by itself");
+    }
+
+    fn source_hashing(node: &Node) {
+        let bed = &node.bed;
+        let list = node.ipvsadm(&["-Ln", "-t", &format!("{WEB}:80")]);
+        assert!(
+            list.contains(&format!("TCP  {WEB}:80 sh")),
+            "scheduler updated in place:\n{list}"
+        );
+        let r = node.probe(&bed.client, &ProbeArgs::tcp(sa(WEB, 80)).with_count(30));
+        assert_eq!(r.ok_count(), 30, "{:?}", r.errors());
+        assert_eq!(r.names().len(), 1, "one endpoint per source: {:?}", r.names());
+        let mut seen = Vec::new();
+        for src in bed.outside_ips() {
+            let r = node.probe(
+                &bed.outside,
+                &ProbeArgs::tcp(SocketAddr::new(bed.node_ip(), WEB_NODE_PORT))
+                    .with_bind(src)
+                    .with_count(10),
+            );
+            assert_eq!(r.ok_count(), 10, "{:?}", r.errors());
+            assert_eq!(r.names().len(), 1, "{src} sticks: {:?}", r.names());
+            seen.push((src, r.names()));
+        }
+        println!("sh: client {:?}, outside {seen:?}", r.names());
+    }
+
+    fn cleanup(node: &mut Node) {
+        drop(node.daemon.take());
+        let out = node.bed.node.exec(BIN, ["--cleanup"]).expect("cleanup runs");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let list = node.ipvsadm(&["-Ln"]);
+        assert!(!list.contains("TCP "), "no virtual servers left:\n{list}");
+        let links = node.bed.node.ip(["-o", "link", "show"]).expect("ip link");
+        assert!(!links.contains("kube-ipvs0"), "{links}");
+        let sets = node.bed.node.exec_ok("ipset", ["list", "-n"]).expect("ipset");
+        assert!(!sets.contains("KUBE-"), "{sets}");
+        let nat = node
+            .bed
+            .node
+            .exec_ok("iptables-save", ["-t", "nat"])
+            .expect("iptables-save");
+        assert!(!nat.contains("KUBE-"), "{nat}");
+    }
+}
