@@ -90,14 +90,16 @@ type IpvsDataplane = IpvsProxier<IpvsHandle, Exec, HostExec>;
 /// The dataplane of one family.
 enum Dataplane {
     Iptables(Box<Proxier<Exec>>),
-    Nftables(NftProxier),
+    Nftables(Box<NftProxier>),
     Ipvs(Box<IpvsDataplane>),
 }
 
 impl Dataplane {
     fn new(cfg: &ProxyConfig, family: IpFamily, objects: &Objects) -> anyhow::Result<Dataplane> {
         Ok(match cfg.mode {
-            ProxyMode::Nftables => Dataplane::Nftables(NftProxier::netlink(family, options(cfg, family, objects))?),
+            ProxyMode::Nftables => {
+                Dataplane::Nftables(Box::new(NftProxier::netlink(family, options(cfg, family, objects))?))
+            }
             ProxyMode::Ipvs => {
                 let ipvs = IpvsHandle::new().context("IPVS mode")?;
                 Dataplane::Ipvs(Box::new(IpvsProxier::new(
