@@ -487,13 +487,11 @@ pub fn cleanup<I: Iptables>(ipt: &mut I) -> Vec<String> {
 
 #[cfg(test)]
 mod tests {
-    use std::net::{IpAddr, Ipv4Addr};
-
     use super::*;
     use crate::config::LocalDetector;
     use crate::iptables::exec::Fake;
     use crate::iptables::render::render;
-    use crate::model::{Endpoint, IpFamily, NodeInfo, Protocol, ServicePort};
+    use crate::model::Protocol;
 
     fn opts() -> RenderOptions {
         RenderOptions {
@@ -503,36 +501,11 @@ mod tests {
     }
 
     fn port(name: &str, ip: u8, proto: Protocol, endpoints: &[u8]) -> ServicePortState {
-        let spn = ServicePortName {
-            namespace: "ns".into(),
-            name: name.into(),
-            port: "p".into(),
-            protocol: proto,
-        };
-        let mut eps: Vec<Endpoint> = endpoints
-            .iter()
-            .map(|e| Endpoint::ready(IpAddr::V4(Ipv4Addr::new(10, 244, 1, *e)), 8080))
-            .collect();
-        eps.sort_by_key(|e| e.to_string());
-        ServicePortState {
-            port: ServicePort::cluster_ip(spn, IpAddr::V4(Ipv4Addr::new(10, 96, 0, ip)), 80),
-            endpoints: eps,
-        }
+        crate::model::testing::port("ns", name, ip, proto, endpoints)
     }
 
     fn state(ports: Vec<ServicePortState>) -> ProxyState {
-        let mut ports = ports;
-        ports.sort_by(|a, b| a.port.name.cmp(&b.port.name));
-        ProxyState {
-            family: IpFamily::V4,
-            node: NodeInfo {
-                name: "node-a".into(),
-                ..NodeInfo::default()
-            },
-            service_ports: ports,
-            service_cidrs: vec![],
-            warnings: vec![],
-        }
+        crate::model::testing::state(ports, &[])
     }
 
     fn declared(input: &str) -> Vec<&str> {

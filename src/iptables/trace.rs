@@ -58,6 +58,17 @@ pub enum Verdict {
 }
 
 impl Verdict {
+    /// The verdict of a path that went through every hook without being stopped.
+    pub(crate) fn after_all_hooks(dnat: bool, accepted: bool) -> Verdict {
+        if dnat {
+            Verdict::Dnat
+        } else if accepted {
+            Verdict::Accept
+        } else {
+            Verdict::Pass
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Verdict::Dnat => "DNAT",
@@ -1429,13 +1440,7 @@ impl<'a> Tracer<'a> {
                         self.walk(next, s, local_src, out)?;
                     }
                     None => {
-                        s.verdict = if s.dnat.is_some() {
-                            Verdict::Dnat
-                        } else if s.accepted {
-                            Verdict::Accept
-                        } else {
-                            Verdict::Pass
-                        };
+                        s.verdict = Verdict::after_all_hooks(s.dnat.is_some(), s.accepted);
                         out.push(s);
                     }
                 },

@@ -8,6 +8,8 @@
 mod endpoints;
 mod services;
 pub mod synthetic;
+#[cfg(test)]
+pub(crate) mod testing;
 mod topology;
 mod types;
 

@@ -614,40 +614,13 @@ mod tests {
     use std::net::{IpAddr, Ipv4Addr};
 
     use super::*;
-    use crate::model::{Endpoint, NodeInfo, ServicePort};
+    use crate::model::Endpoint;
     use crate::nftables::render::render_tx;
 
-    fn port(ns: &str, name: &str, ip: u8, proto: Protocol, endpoints: &[u8]) -> ServicePortState {
-        let spn = ServicePortName {
-            namespace: ns.into(),
-            name: name.into(),
-            port: "p".into(),
-            protocol: proto,
-        };
-        let mut eps: Vec<Endpoint> = endpoints
-            .iter()
-            .map(|e| Endpoint::ready(IpAddr::V4(Ipv4Addr::new(10, 244, 1, *e)), 8080))
-            .collect();
-        eps.sort_by_key(|e| e.to_string());
-        ServicePortState {
-            port: ServicePort::cluster_ip(spn, IpAddr::V4(Ipv4Addr::new(10, 96, 0, ip)), 80),
-            endpoints: eps,
-        }
-    }
+    use crate::model::testing::port;
 
     fn state(ports: Vec<ServicePortState>) -> ProxyState {
-        let mut ports = ports;
-        ports.sort_by(|a, b| a.port.name.cmp(&b.port.name));
-        ProxyState {
-            family: IpFamily::V4,
-            node: NodeInfo {
-                name: "node-a".into(),
-                ..NodeInfo::default()
-            },
-            service_ports: ports,
-            service_cidrs: vec!["10.96.0.0/16".parse().unwrap()],
-            warnings: vec![],
-        }
+        crate::model::testing::state(ports, &["10.96.0.0/16"])
     }
 
     fn proxier() -> (NftProxier, RecordingBackend) {

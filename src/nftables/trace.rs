@@ -313,13 +313,7 @@ impl<'a> Tracer<'a> {
                     self.walk(next, s, from_node, out)?;
                 }
                 None => {
-                    s.verdict = if s.dnat.is_some() {
-                        Verdict::Dnat
-                    } else if s.accepted {
-                        Verdict::Accept
-                    } else {
-                        Verdict::Pass
-                    };
+                    s.verdict = Verdict::after_all_hooks(s.dnat.is_some(), s.accepted);
                     out.push(s);
                 }
             }
