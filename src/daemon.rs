@@ -723,24 +723,24 @@ fn iptables_mode_present(ipt: &mut Exec) -> bool {
     .any(|(table, chain)| ipt.chain_exists(table, chain).unwrap_or(false))
 }
 
-/// Removes IPVS mode's state where there is some: virtual servers (only when the kernel has
-/// IPVS loaded: without it there are none, and looking would load it), its iptables rules,
-/// ipsets and `kube-ipvs0`. Silent where there is nothing. With `all` (`--cleanup`), also
-/// NodePort-looking virtual servers on node addresses and the rules whatever is left.
+/// Removes IPVS mode's state where there is some (or, with `all` for `--cleanup`, whatever is
+/// left): virtual servers on `kube-ipvs0` addresses and NodePort-looking ones on node
+/// addresses (only when the kernel has IPVS loaded: without it there are none, and looking
+/// would load it), its iptables rules, ipsets and `kube-ipvs0`. Silent where there is nothing.
 fn remove_ipvs_mode(all: bool) -> Vec<String> {
     use crate::ipvs::host::IpvsHost as _;
     let mut host = HostExec;
     let mut ipts: Vec<Exec> = families().into_iter().map(Exec::new).collect();
     let link = host.link_exists(crate::ipvs::names::DUMMY_DEVICE).unwrap_or(false);
     let rules = ipts.iter_mut().any(|i| crate::ipvs::proxier::iptables_state_present(i));
+    if !(all || link || rules) {
+        return Vec::new();
+    }
     let mut ipvs = if std::path::Path::new("/proc/net/ip_vs").exists() {
         IpvsHandle::new().ok()
     } else {
         None
     };
-    if !(all || link || rules) {
-        return Vec::new();
-    }
     let mut refs: Vec<&mut dyn crate::iptables::exec::Iptables> = ipts
         .iter_mut()
         .map(|i| i as &mut dyn crate::iptables::exec::Iptables)
@@ -749,7 +749,7 @@ fn remove_ipvs_mode(all: bool) -> Vec<String> {
         ipvs.as_mut().map(|h| h as &mut dyn crate::ipvs::netlink::Ipvs),
         &mut refs,
         &mut host,
-        all,
+        true,
     )
 }
 

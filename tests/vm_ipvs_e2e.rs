@@ -17,6 +17,9 @@
 //! - graceful termination: an endpoint removed while a TCP connection to it is open keeps that
 //!   connection (weight 0, no new connections), and its real server goes once the connection
 //!   has closed;
+//! - a scheduler whose module is missing: the daemon refuses to start, naming it;
+//! - switching to iptables mode removes the virtual servers, `kube-ipvs0`, the ipsets and IPVS
+//!   mode's chains, and back to IPVS mode removes iptables mode's chains;
 //! - sh (`--ipvs-scheduler=sh`, the daemon restarted): every client address sticks to one
 //!   endpoint;
 //! - `--cleanup` removes the virtual servers, `kube-ipvs0` and the ipsets.
@@ -172,24 +175,33 @@ mod in_vm {
     }
 
     impl Node {
-        fn start_daemon(&mut self, extra: &[&str]) {
-            drop(self.daemon.take());
-            let mut args: Vec<String> = [
-                "--proxy-mode=ipvs", "--hostname-override=node-a", "--cluster-cidr=10.244.0.0/16",
-                "--ipvs-min-sync-period=0s", "--ipvs-sync-period=2s", "--manifests",
+        /// The daemon's arguments in `mode` (ipvs or iptables), with 2 s sync periods.
+        fn args(&self, mode: &str) -> Vec<String> {
+            vec![
+                format!("--proxy-mode={mode}"),
+                "--hostname-override=node-a".into(),
+                "--cluster-cidr=10.244.0.0/16".into(),
+                format!("--{mode}-min-sync-period=0s"),
+                format!("--{mode}-sync-period=2s"),
+                "--manifests".into(),
+                self.dir.0.display().to_string(),
             ]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-            args.push(self.dir.0.display().to_string());
+        }
+
+        fn start_daemon(&mut self, extra: &[&str]) {
+            self.start_daemon_in("ipvs", extra);
+        }
+
+        fn start_daemon_in(&mut self, mode: &str, extra: &[&str]) {
+            drop(self.daemon.take());
+            let mut args = self.args(mode);
             args.extend(extra.iter().map(|s| s.to_string()));
             let started = Instant::now();
             let daemon = self.bed.spawn_in_node(Path::new(BIN), &args).expect("daemon starts");
             daemon
                 .wait_for_log("Synced rules", Duration::from_secs(60))
                 .expect("first sync");
-            println!("daemon {extra:?}: first sync after {:?}", started.elapsed());
-            println!("{}", daemon.log());
+            println!("daemon {mode} {extra:?}: first sync after {:?}", started.elapsed());
             self.daemon = Some(daemon);
         }
 
@@ -236,22 +248,103 @@ mod in_vm {
         std::fs::create_dir_all(&dir.0).expect("manifest dir");
         dir.write(&services(&bed, &[Ep::local(bed.endpoint(0).ip)]));
         let mut node = Node { bed, dir, daemon: None };
-        node.start_daemon(&[]);
-
-        let t = Instant::now();
-        mode_is_ipvs(&node);
-        round_robin(&node);
-        node_port_and_local_policy(&node);
-        zero_endpoints(&node);
-        session_affinity(&node);
-        source_ranges(&node);
-        graceful_termination(&node);
-        println!("rr checks took {:?}", t.elapsed());
-
-        node.start_daemon(&["--ipvs-scheduler=sh"]);
-        source_hashing(&node);
-        cleanup(&mut node);
+        // Each step's time is printed: under TCG the budget is tight.
+        let step = |name: &str, f: &mut dyn FnMut()| {
+            let t = Instant::now();
+            f();
+            println!("step {name}: {:?}", t.elapsed());
+        };
+        step("refusal", &mut || refuses_a_missing_scheduler(&node));
+        step("daemon (rr)", &mut || node.start_daemon(&[]));
+        step("mode", &mut || mode_is_ipvs(&node));
+        step("rr", &mut || round_robin(&node));
+        step("NodePort", &mut || node_port_and_local_policy(&node));
+        step("zero endpoints", &mut || zero_endpoints(&node));
+        step("affinity", &mut || session_affinity(&node));
+        step("source ranges", &mut || source_ranges(&node));
+        step("graceful termination", &mut || graceful_termination(&node));
+        step("switch to iptables", &mut || {
+            node.start_daemon_in("iptables", &[]);
+            iptables_mode_removed_ipvs_state(&node);
+        });
+        step("switch back (sh)", &mut || {
+            node.start_daemon(&["--ipvs-scheduler=sh"]);
+            ipvs_mode_removed_iptables_chains(&node);
+        });
+        step("sh", &mut || source_hashing(&node));
+        step("cleanup", &mut || cleanup(&mut node));
         println!("in-VM total {:?}", started.elapsed());
+    }
+
+    /// No silent fallback on a kernel with IPVS either: a scheduler whose module is missing.
+    /// The guest's root is an in-memory overlay, so hiding the module file there (from
+    /// `modprobe` and from the kernel's own module requests) changes nothing on the host.
+    fn refuses_a_missing_scheduler(node: &Node) {
+        let hide =
+            "for f in $(find /lib/modules/$(uname -r) -name 'ip_vs_lblcr.ko*'); do mv \"$f\" \"$f.hidden\"; done";
+        let out = std::process::Command::new("sh")
+            .args(["-c", hide])
+            .output()
+            .expect("sh");
+        assert!(out.status.success(), "{out:?}");
+        assert!(!Path::new("/sys/module/ip_vs_lblcr").exists(), "lblcr is not loaded");
+        let mut args = node.args("ipvs");
+        args.push("--ipvs-scheduler=lblcr".into());
+        let out = node.bed.node.exec(BIN, &args).expect("the daemon runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "must refuse: {stderr}");
+        assert!(
+            stderr.contains("kernel module ip_vs_lblcr") && stderr.contains("modprobe ip_vs_lblcr`"),
+            "{stderr}"
+        );
+        assert!(!node.ipvsadm(&["-Ln"]).contains("TCP "), "nothing programmed");
+        let unhide = "for f in $(find /lib/modules/$(uname -r) -name 'ip_vs_lblcr.ko*.hidden'); do mv \"$f\" \"${f%.hidden}\"; done";
+        let out = std::process::Command::new("sh")
+            .args(["-c", unhide])
+            .output()
+            .expect("sh");
+        assert!(out.status.success(), "{out:?}");
+    }
+
+    /// Switching to iptables mode removes IPVS mode's state; the Services keep working.
+    fn iptables_mode_removed_ipvs_state(node: &Node) {
+        let list = node.ipvsadm(&["-Ln"]);
+        assert!(!list.contains("TCP "), "no virtual servers left:\n{list}");
+        let links = node.bed.node.ip(["-o", "link", "show"]).expect("ip link");
+        assert!(!links.contains("kube-ipvs0"), "{links}");
+        let sets = node.bed.node.exec_ok("ipset", ["list", "-n"]).expect("ipset");
+        assert!(!sets.contains("KUBE-"), "{sets}");
+        let filter = node
+            .bed
+            .node
+            .exec_ok("iptables-save", ["-t", "filter"])
+            .expect("iptables-save");
+        assert!(!filter.contains("KUBE-IPVS-FILTER"), "{filter}");
+        let nat = node
+            .bed
+            .node
+            .exec_ok("iptables-save", ["-t", "nat"])
+            .expect("iptables-save");
+        assert!(
+            !nat.contains(":KUBE-NODE-PORT ") && nat.contains(":KUBE-NODEPORTS "),
+            "{nat}"
+        );
+        let r = node.probe(&node.bed.client, &ProbeArgs::tcp(sa(WEB, 80)).with_count(3));
+        assert!(r.all_ok(), "iptables mode serves: {:?}", r.errors());
+    }
+
+    /// And back: IPVS mode removes iptables mode's own chains.
+    fn ipvs_mode_removed_iptables_chains(node: &Node) {
+        let nat = node
+            .bed
+            .node
+            .exec_ok("iptables-save", ["-t", "nat"])
+            .expect("iptables-save");
+        assert!(
+            !nat.contains(":KUBE-NODEPORTS ") && !nat.contains(":KUBE-SVC-") && !nat.contains(":KUBE-SEP-"),
+            "{nat}"
+        );
+        assert!(nat.contains(":KUBE-NODE-PORT "), "{nat}");
     }
 
     fn mode_is_ipvs(node: &Node) {
