@@ -1354,8 +1354,7 @@ pub struct ClientConnection {
     pub burst: i32,
 }
 
-/// The `ipvs` settings (IPVS mode is not implemented yet; they are validated in IPVS mode and
-/// reported as ignored in the others).
+/// The `ipvs` settings (validated in IPVS mode and reported as ignored in the others).
 #[derive(Clone, Debug, PartialEq)]
 pub struct IpvsConfig {
     pub scheduler: String,

@@ -790,7 +790,7 @@ fn load(paths: &[PathBuf]) -> anyhow::Result<manifest::Objects> {
 fn require_iptables(cfg: &ProxyConfig) -> anyhow::Result<()> {
     if cfg.mode != ProxyMode::Iptables {
         bail!(
-            "proxy mode {:?} is not supported by this build yet; only iptables",
+            "this command does not support proxy mode {:?} yet (iptables and nftables only)",
             cfg.mode.as_str()
         );
     }
