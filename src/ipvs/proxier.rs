@@ -656,49 +656,88 @@ pub fn iptables_state_present(ipt: &mut dyn Iptables) -> bool {
         .unwrap_or(false)
 }
 
-/// Chains whose names iptables mode uses too.
-const SHARED_WITH_IPTABLES_MODE: [(&str, &str); 5] = [
-    ("nat", super::names::KUBE_SERVICES),
-    ("nat", super::names::KUBE_POSTROUTING),
-    ("nat", super::names::KUBE_MARK_MASQ),
-    ("filter", super::names::KUBE_FORWARD),
-    ("filter", super::names::KUBE_PROXY_FIREWALL),
-];
+/// The jump rule as `iptables-save` prints it.
+fn saved_form(j: &crate::iptables::JumpRule) -> String {
+    let args: Vec<String> = j
+        .args
+        .iter()
+        .map(|a| if a.contains(' ') { format!("\"{a}\"") } else { a.clone() })
+        .collect();
+    format!("-A {} {}", j.chain, args.join(" "))
+}
 
-/// Deletes IPVS mode's jumps and chains in one family.
-fn cleanup_iptables(ipt: &mut dyn Iptables) -> Vec<String> {
-    let mut errors = Vec::new();
-    for j in super::render::jump_rules() {
-        if let Err(e) = ipt.delete_rule(j.table, j.chain, &j.args) {
-            errors.push(e.to_string());
+/// The chain a saved rule jumps or goes to.
+fn rule_target(line: &str) -> Option<&str> {
+    let mut words = line.split_whitespace();
+    while let Some(w) = words.next() {
+        if w == "-j" || w == "-g" {
+            return words.next();
         }
     }
-    for (table, chains) in [
-        ("nat", &super::names::NAT_CHAINS[..]),
-        ("filter", &super::names::FILTER_CHAINS[..]),
-    ] {
-        // Flush them all before deleting any: they jump to each other.
-        let mut present = Vec::new();
-        for c in chains {
-            match ipt.chain_exists(table, c) {
-                Ok(true) => present.push(*c),
-                Ok(false) => {}
-                Err(e) => errors.push(e.to_string()),
-            }
-        }
-        for c in &present {
-            if let Err(e) = ipt.run(table, &["-F", c], &[]) {
+    None
+}
+
+/// The `iptables-restore --noflush` input that removes IPVS mode's jumps and chains from one
+/// table, given its `iptables-save` output; empty when there are none. Every chain of ours is
+/// flushed; one that rules we keep still reference (iptables mode's, where both modes left
+/// state: the chains share names) is left for that mode's cleanup instead of deleted.
+pub fn iptables_cleanup_input(table: &str, saved: &str) -> String {
+    let chains: &[&str] = match table {
+        "nat" => &super::names::NAT_CHAINS,
+        "filter" => &super::names::FILTER_CHAINS,
+        _ => &[],
+    };
+    let existing = crate::iptables::proxier::existing_chains(saved);
+    let ours: Vec<&str> = chains
+        .iter()
+        .copied()
+        .filter(|c| existing.iter().any(|e| e == c))
+        .collect();
+    let jumps: Vec<String> = super::render::jump_rules()
+        .iter()
+        .filter(|j| j.table == table)
+        .map(saved_form)
+        .filter(|l| saved.lines().any(|s| s == l))
+        .collect();
+    if ours.is_empty() && jumps.is_empty() {
+        return String::new();
+    }
+    let kept_targets: BTreeSet<&str> = saved
+        .lines()
+        .filter(|l| l.starts_with("-A ") && !jumps.iter().any(|j| j == l))
+        .filter(|l| l.split_whitespace().nth(1).is_some_and(|c| !ours.contains(&c)))
+        .filter_map(rule_target)
+        .collect();
+    let mut input = format!("*{table}\n");
+    for j in &jumps {
+        input.push_str(&format!("-D {}\n", &j[3..]));
+    }
+    for c in &ours {
+        input.push_str(&format!(":{c} - [0:0]\n"));
+    }
+    for c in ours.iter().filter(|c| !kept_targets.contains(*c)) {
+        input.push_str(&format!("-X {c}\n"));
+    }
+    input.push_str("COMMIT\n");
+    input
+}
+
+/// Deletes IPVS mode's jumps and chains in one family: one `iptables-save` and at most one
+/// `iptables-restore` per table.
+fn cleanup_iptables(ipt: &mut dyn Iptables) -> Vec<String> {
+    let mut errors = Vec::new();
+    for table in ["nat", "filter"] {
+        let input = match ipt.save(table) {
+            Ok(saved) => iptables_cleanup_input(table, &saved),
+            Err(e) => {
                 errors.push(e.to_string());
+                continue;
             }
-        }
-        for c in &present {
-            // A chain iptables mode shares may still be referenced by that mode's rules (when
-            // both left state): its own cleanup deletes it.
-            if let Err(e) = ipt.run(table, &["-X", c], &[])
-                && !SHARED_WITH_IPTABLES_MODE.contains(&(table, *c))
-            {
-                errors.push(e.to_string());
-            }
+        };
+        if !input.is_empty()
+            && let Err(e) = ipt.restore(&input)
+        {
+            errors.push(e.to_string());
         }
     }
     errors
@@ -1220,16 +1259,46 @@ mod tests {
         }
         let mut ipt = Fake::default();
         ipt.chains.insert("filter/KUBE-IPVS-FILTER".into());
-        ipt.chains.insert("nat/KUBE-SERVICES".into());
         assert!(iptables_state_present(&mut ipt));
+        ipt.saved.insert(
+            "nat".into(),
+            "*nat\n:PREROUTING ACCEPT [0:0]\n:KUBE-SERVICES - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n:OTHER - [0:0]\n\
+             -A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n\
+             -A PREROUTING -j OTHER\n-A KUBE-SERVICES -j KUBE-MARK-MASQ\nCOMMIT\n"
+                .into(),
+        );
         let errors = cleanup(Some(&mut ipvs), &mut [&mut ipt], &mut host, true);
         assert!(errors.is_empty(), "{errors:?}");
+        assert_eq!(
+            ipt.restores,
+            vec![
+                "*nat\n-D PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n\
+                 :KUBE-SERVICES - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n-X KUBE-SERVICES\n-X KUBE-MARK-MASQ\nCOMMIT\n"
+                    .to_string()
+            ],
+            "someone else's chain and jump stay; nothing to do in filter"
+        );
         let left: Vec<ServiceKey> = ipvs.table().keys().copied().collect();
         assert_eq!(left, vec![theirs.key()]);
         assert!(!host.links.contains_key(DUMMY_DEVICE));
         assert_eq!(host.sets.keys().collect::<Vec<_>>(), vec!["SOMEONE-ELSE"]);
-        assert!(ipt.chains.is_empty(), "{:?}", ipt.chains);
-        assert!(!iptables_state_present(&mut ipt));
+    }
+
+    #[test]
+    fn chains_iptables_mode_still_uses_are_flushed_not_deleted() {
+        let saved = "*nat\n:KUBE-SERVICES - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n:KUBE-NODE-PORT - [0:0]\n\
+                     :KUBE-SVC-X - [0:0]\n-A KUBE-SVC-X -j KUBE-MARK-MASQ\n-A KUBE-NODE-PORT -j KUBE-MARK-MASQ\nCOMMIT\n";
+        let input = iptables_cleanup_input("nat", saved);
+        assert!(input.contains(":KUBE-MARK-MASQ - [0:0]\n"), "{input}");
+        assert!(
+            !input.contains("-X KUBE-MARK-MASQ"),
+            "iptables mode's KUBE-SVC-X uses it: {input}"
+        );
+        assert!(
+            input.contains("-X KUBE-NODE-PORT\n") && input.contains("-X KUBE-SERVICES\n"),
+            "{input}"
+        );
+        assert_eq!(iptables_cleanup_input("filter", "*filter\nCOMMIT\n"), "");
     }
 
     #[test]
