@@ -6,7 +6,8 @@
 //! the VM (`--exact ipvs_e2e_in_vm` with `KUBE_PROXY_IN_VM=1`), where the same test builds the
 //! namespace test bed of `tests/e2e.rs` (`kube_proxy::lab::testbed`), starts the real daemon in
 //! its node namespace with `--proxy-mode=ipvs --manifests`, and sends real traffic:
-//! - `/proxyMode` and the log say `ipvs`;
+//! - `/proxyMode` and the log say `ipvs`; the IPVS sysctls, strict ARP and the configured
+//!   timeouts are set in the node's namespace, and not in the guest's own;
 //! - rr: a ClusterIP's connections go round the endpoints in turn, exactly (and pass the
 //!   chi-square test of the iptables suite);
 //! - NodePort from the outside host (masqueraded), externalTrafficPolicy Local (client address
@@ -255,8 +256,11 @@ mod in_vm {
             println!("step {name}: {:?}", t.elapsed());
         };
         step("refusal", &mut || refuses_a_missing_scheduler(&node));
-        step("daemon (rr)", &mut || node.start_daemon(&[]));
+        step("daemon (rr)", &mut || {
+            node.start_daemon(&["--ipvs-tcp-timeout=600s", "--ipvs-udp-timeout=30s", "--ipvs-strict-arp"])
+        });
         step("mode", &mut || mode_is_ipvs(&node));
+        step("sysctls and timeouts", &mut || sysctls_and_timeouts(&node));
         step("rr", &mut || round_robin(&node));
         step("NodePort", &mut || node_port_and_local_policy(&node));
         step("zero endpoints", &mut || zero_endpoints(&node));
@@ -345,6 +349,32 @@ mod in_vm {
             "{nat}"
         );
         assert!(nat.contains(":KUBE-NODE-PORT "), "{nat}");
+    }
+
+    /// The IPVS sysctls and the configured timeouts, in the node's namespace only.
+    fn sysctls_and_timeouts(node: &Node) {
+        for (key, want) in [
+            ("net.ipv4.vs.conntrack", "1"),
+            ("net.ipv4.vs.expire_nodest_conn", "1"),
+            ("net.ipv4.vs.expire_quiescent_template", "1"),
+            ("net.ipv4.ip_forward", "1"),
+            ("net.ipv4.conf.all.arp_ignore", "1"),
+            ("net.ipv4.conf.all.arp_announce", "2"),
+        ] {
+            assert_eq!(
+                node.bed.node.read_sysctl(key).expect("sysctl"),
+                want,
+                "{key} in the node"
+            );
+        }
+        // This process runs in the guest's root namespace: untouched.
+        for path in ["net/ipv4/vs/conntrack", "net/ipv4/conf/all/arp_ignore"] {
+            let v = std::fs::read_to_string(Path::new("/proc/sys").join(path)).expect("sysctl");
+            assert_eq!(v.trim(), "0", "{path} in the root namespace");
+        }
+        // Only the configured timeouts change (tcpfin keeps the kernel's 120 s).
+        let t = node.ipvsadm(&["-Ln", "--timeout"]);
+        assert!(t.contains("Timeout (tcp tcpfin udp): 600 120 30"), "{t}");
     }
 
     fn mode_is_ipvs(node: &Node) {
