@@ -13,6 +13,7 @@
 //! - NodePort from the outside host (masqueraded), externalTrafficPolicy Local (client address
 //!   kept, local endpoints only), loadBalancerSourceRanges (allowed source in, other dropped),
 //!   sessionAffinity ClientIP (one endpoint for every connection);
+//! - hairpin: an endpoint reaching its own Service through it is masqueraded;
 //! - a Service without endpoints: the kernel answers ICMP port unreachable itself (IPVS has a
 //!   virtual server without real servers), so a client sees "connection refused" at once;
 //! - graceful termination: an endpoint removed while a TCP connection to it is open keeps that
@@ -264,6 +265,7 @@ mod in_vm {
         step("rr", &mut || round_robin(&node));
         step("NodePort", &mut || node_port_and_local_policy(&node));
         step("zero endpoints", &mut || zero_endpoints(&node));
+        step("hairpin", &mut || hairpin(&node));
         step("affinity", &mut || session_affinity(&node));
         step("source ranges", &mut || source_ranges(&node));
         step("graceful termination", &mut || graceful_termination(&node));
@@ -481,6 +483,23 @@ mod in_vm {
                 "ICMP port unreachable from IPVS: {a:?}"
             );
             assert!(a.elapsed_us < 500_000, "at once: {a:?}");
+        }
+    }
+
+    /// An endpoint reaching its own Service lands on itself masqueraded (KUBE-LOOP-BACK), or
+    /// its own reply would bypass IPVS.
+    fn hairpin(node: &Node) {
+        let me = node.bed.endpoint(0);
+        let r = node.probe(&me.ns, &ProbeArgs::tcp(sa(WEB, 80)).with_count(6));
+        assert_eq!(r.ok_count(), 6, "{:?}", r.errors());
+        let to_self: Vec<_> = r
+            .attempts
+            .iter()
+            .filter(|a| a.name.as_deref() == Some(me.name.as_str()))
+            .collect();
+        assert_eq!(to_self.len(), 2, "rr lands on itself every third time: {:?}", r.names());
+        for a in to_self {
+            assert_ne!(a.seen_src, Some(me.ip), "hairpin traffic is masqueraded: {a:?}");
         }
     }
 
