@@ -24,7 +24,8 @@
 //!   mode's chains, and back to IPVS mode removes iptables mode's chains;
 //! - sh (`--ipvs-scheduler=sh`, the daemon restarted): every client address sticks to one
 //!   endpoint;
-//! - `--cleanup` removes the virtual servers, `kube-ipvs0` and the ipsets.
+//! - `--cleanup` removes the virtual servers, `kube-ipvs0` and the ipsets;
+//! - all along, someone else's virtual server on the node's address stays as it was.
 
 #[path = "support/vm.rs"]
 mod vm;
@@ -90,6 +91,8 @@ mod in_vm {
     const LOCAL: &str = "10.96.165.14";
     const DRAIN: &str = "10.96.165.15";
     const WEB_NODE_PORT: u16 = 32517;
+    /// A virtual server that is not ours.
+    const FOREIGN: &str = "192.168.49.2:443";
     const LB_NODE_PORT: u16 = 32518;
     const LOCAL_NODE_PORT: u16 = 32519;
 
@@ -257,6 +260,10 @@ mod in_vm {
             println!("step {name}: {:?}", t.elapsed());
         };
         step("refusal", &mut || refuses_a_missing_scheduler(&node));
+        // Someone else's virtual server on the node address: no mode, no sync, no cleanup
+        // may touch it.
+        node.ipvsadm(&["-A", "-t", FOREIGN, "-s", "wlc"]);
+        node.ipvsadm(&["-a", "-t", FOREIGN, "-r", "10.244.1.2:8080", "-m"]);
         step("daemon (rr)", &mut || {
             node.start_daemon(&["--ipvs-tcp-timeout=600s", "--ipvs-udp-timeout=30s", "--ipvs-strict-arp"])
         });
@@ -315,7 +322,11 @@ mod in_vm {
     /// Switching to iptables mode removes IPVS mode's state; the Services keep working.
     fn iptables_mode_removed_ipvs_state(node: &Node) {
         let list = node.ipvsadm(&["-Ln"]);
-        assert!(!list.contains("TCP "), "no virtual servers left:\n{list}");
+        assert_eq!(
+            virtual_servers(&list),
+            vec![format!("TCP {FOREIGN} wlc")],
+            "only someone else's virtual server left:\n{list}"
+        );
         let links = node.bed.node.ip(["-o", "link", "show"]).expect("ip link");
         assert!(!links.contains("kube-ipvs0"), "{links}");
         let sets = node.bed.node.exec_ok("ipset", ["list", "-n"]).expect("ipset");
@@ -379,6 +390,14 @@ mod in_vm {
         assert!(t.contains("Timeout (tcp tcpfin udp): 600 120 30"), "{t}");
     }
 
+    /// The virtual-server lines of `ipvsadm -Ln`, blanks squeezed.
+    fn virtual_servers(list: &str) -> Vec<String> {
+        list.lines()
+            .filter(|l| l.starts_with("TCP") || l.starts_with("UDP") || l.starts_with("SCTP"))
+            .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+            .collect()
+    }
+
     fn mode_is_ipvs(node: &Node) {
         let log = node.log();
         assert!(
@@ -398,6 +417,11 @@ mod in_vm {
         assert_eq!(body.split("\r\n\r\n").nth(1).map(str::trim), Some("ipvs"), "{body}");
         let list = node.ipvsadm(&["-Ln"]);
         assert!(list.contains(&format!("TCP  {WEB}:80 rr")), "{list}");
+        let foreign = node.ipvsadm(&["-Ln", "-t", FOREIGN]);
+        assert!(
+            foreign.contains("wlc") && foreign.contains("10.244.1.2:8080"),
+            "not ours, kept: {foreign}"
+        );
         let links = node
             .bed
             .node
@@ -620,7 +644,11 @@ mod in_vm {
         let out = node.bed.node.exec(BIN, ["--cleanup"]).expect("cleanup runs");
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         let list = node.ipvsadm(&["-Ln"]);
-        assert!(!list.contains("TCP "), "no virtual servers left:\n{list}");
+        assert_eq!(
+            virtual_servers(&list),
+            vec![format!("TCP {FOREIGN} wlc")],
+            "only someone else's virtual server left:\n{list}"
+        );
         let links = node.bed.node.ip(["-o", "link", "show"]).expect("ip link");
         assert!(!links.contains("kube-ipvs0"), "{links}");
         let sets = node.bed.node.exec_ok("ipset", ["list", "-n"]).expect("ipset");
