@@ -756,9 +756,14 @@ pub enum KernelCheckError {
         "IPVS mode needs the kernel module ip_vs_{0} for the scheduler {0:?} (--ipvs-scheduler): run `modprobe ip_vs_{0}`, or choose another scheduler, or --proxy-mode=iptables or --proxy-mode=nftables"
     )]
     NoScheduler(String),
+    #[error(
+        "IPVS mode needs the ipset tool, which does not run ({0}): install it (Debian/Ubuntu: apt-get install ipset)"
+    )]
+    NoIpset(String),
 }
 
-/// Checks that the kernel can run IPVS mode with `scheduler`: IPVS answers, and the
+/// Checks that the node can run IPVS mode with `scheduler`: IPVS answers, the `ipset` tool
+/// runs, and the
 /// scheduler's module is loaded, built in, loadable with `modprobe`, or loaded by the kernel
 /// on demand (a firewall-mark probe service, added and deleted at once; no packet carries its
 /// mark). Never falls back to anything.
@@ -769,6 +774,16 @@ pub fn check_kernel(scheduler: &str) -> Result<(), KernelCheckError> {
         Err(e) => return Err(KernelCheckError::Ipvs(e)),
     };
     ipvs.info().map_err(KernelCheckError::Ipvs)?;
+    // Every sync restores ipsets: without the tool, no sync could ever succeed.
+    match std::process::Command::new("ipset").arg("version").output() {
+        Ok(o) if o.status.success() => {}
+        Ok(o) => {
+            return Err(KernelCheckError::NoIpset(
+                String::from_utf8_lossy(&o.stderr).trim().to_string(),
+            ));
+        }
+        Err(e) => return Err(KernelCheckError::NoIpset(e.to_string())),
+    }
     let module = format!("ip_vs_{scheduler}");
     let loaded = || std::path::Path::new("/sys/module").join(&module).exists();
     if loaded() {
