@@ -22,6 +22,7 @@
 //! - a scheduler whose module is missing: the daemon refuses to start, naming it;
 //! - switching to iptables mode removes the virtual servers, `kube-ipvs0`, the ipsets and IPVS
 //!   mode's chains, and back to IPVS mode removes iptables mode's chains;
+//! - UDP: a flow whose endpoint is removed moves to the live one (no draining for UDP);
 //! - sh (`--ipvs-scheduler=sh`, the daemon restarted): every client address sticks to one
 //!   endpoint;
 //! - `--cleanup` removes the virtual servers, `kube-ipvs0` and the ipsets;
@@ -90,6 +91,7 @@ mod in_vm {
     const LB_IP: &str = "203.0.113.10";
     const LOCAL: &str = "10.96.165.14";
     const DRAIN: &str = "10.96.165.15";
+    const DNS: &str = "10.96.165.16";
     const WEB_NODE_PORT: u16 = 32517;
     /// A virtual server that is not ours.
     const FOREIGN: &str = "192.168.49.2:443";
@@ -148,6 +150,11 @@ mod in_vm {
 
     /// The test bed's Services; `drain` lists the endpoints of the graceful-termination one.
     fn services(bed: &Testbed, drain: &[Ep]) -> String {
+        services_with_udp(bed, drain, &[Ep::local(bed.endpoint(0).ip)])
+    }
+
+    /// The Services, with the UDP one's endpoints given too.
+    fn services_with_udp(bed: &Testbed, drain: &[Ep], udp: &[Ep]) -> String {
         let all: Vec<Ep> = bed.endpoints().iter().map(|e| Ep::local(e.ip)).collect();
         let first = [Ep::local(bed.endpoint(0).ip)];
         let mut web = ServiceSpec::new("web", WEB, &all);
@@ -170,7 +177,9 @@ mod in_vm {
         local.node_port = Some(LOCAL_NODE_PORT);
         local.spec_extra = "  externalTrafficPolicy: Local\n";
         let drain = ServiceSpec::new("drain", DRAIN, drain);
-        manifests(&[web, empty, sticky, lb, local, drain])
+        let mut dns = ServiceSpec::new("dns", DNS, udp);
+        dns.protocol = "UDP";
+        manifests(&[web, empty, sticky, lb, local, drain, dns])
     }
 
     struct Node {
@@ -276,6 +285,7 @@ mod in_vm {
         step("affinity", &mut || session_affinity(&node));
         step("source ranges", &mut || source_ranges(&node));
         step("graceful termination", &mut || graceful_termination(&node));
+        step("UDP", &mut || udp_moves_on(&node));
         step("switch to iptables", &mut || {
             node.start_daemon_in("iptables", &[]);
             iptables_mode_removed_ipvs_state(&node);
@@ -612,6 +622,64 @@ mod in_vm {
             closed.elapsed()
         );
         assert!(node.log().contains("Synced rules"), "the daemon re-checked by itself");
+    }
+
+    /// A UDP flow whose endpoint is removed moves to the live one: the real server goes at
+    /// once (no draining for UDP), and the kernel reschedules the flow's next datagrams.
+    fn udp_moves_on(node: &Node) {
+        let bed = &node.bed;
+        let (old, new) = (bed.endpoint(0), bed.endpoint(1));
+        let args = ProbeArgs::udp(sa(DNS, 80))
+            .with_count(100)
+            .with_interval_ms(50)
+            .with_timeout_ms(300);
+        let (report, changed_ms) = std::thread::scope(|s| {
+            let handle = s.spawn(|| node.probe(&bed.client, &args));
+            let started = Instant::now();
+            // Once the kernel holds the flow (on the old endpoint: the only one), the endpoint
+            // goes.
+            wait_until(Duration::from_secs(10), "the UDP flow in the IPVS table", || {
+                node.ipvsadm(&["-Lnc"])
+                    .lines()
+                    .any(|l| l.contains(&format!("{DNS}:80")) && l.contains(&old.server_addr().to_string()))
+            });
+            node.dir
+                .write(&services_with_udp(bed, &[Ep::local(new.ip)], &[Ep::local(new.ip)]));
+            let changed_ms = started.elapsed().as_millis() as u64;
+            (handle.join().expect("probe thread"), changed_ms)
+        });
+        let first_old = report.attempts.iter().find(|a| a.ok);
+        assert_eq!(
+            first_old.and_then(|a| a.name.as_deref()),
+            Some(old.name.as_str()),
+            "the flow starts on the old endpoint: {report:?}"
+        );
+        let first_new = report
+            .attempts
+            .iter()
+            .find(|a| a.ok && a.name.as_deref() == Some(new.name.as_str()))
+            .unwrap_or_else(|| {
+                panic!(
+                    "never answered by the live endpoint: {:?}\n{}",
+                    report.names(),
+                    node.log()
+                )
+            });
+        let later: Vec<_> = report.attempts.iter().filter(|a| a.t_ms > first_new.t_ms).collect();
+        assert!(
+            later
+                .iter()
+                .all(|a| a.ok && a.name.as_deref() == Some(new.name.as_str())),
+            "stays on the live endpoint: {later:?}"
+        );
+        println!(
+            "UDP: first answer from the live endpoint {} ms after the manifest change",
+            first_new.t_ms.saturating_sub(changed_ms)
+        );
+        assert!(
+            first_new.t_ms <= changed_ms + 4000,
+            "moved within 4 s under TCG: {first_new:?}"
+        );
     }
 
     fn source_hashing(node: &Node) {

@@ -532,6 +532,8 @@ impl<V: Ipvs, I: Iptables, H: IpvsHost> IpvsProxier<V, I, H> {
                     Some(d) if d.active_conns + d.inactive_conns == 0 => {
                         gone_ok(self.ipvs.delete_dest(&vs, d))?;
                         self.draining.remove(&k);
+                        // The report's count of stale objects deleted (chains in the other
+                        // modes): here, drained real servers.
                         report.deleted_chains += 1;
                     }
                     Some(d) if d.weight != 0 => {
