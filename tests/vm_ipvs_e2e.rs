@@ -31,43 +31,19 @@
 #[path = "support/vm.rs"]
 mod vm;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use vm::run_in_vm;
-
-const IN_VM: &str = "KUBE_PROXY_IN_VM";
 /// Printed by the in-VM run when every check passed, so that the host knows the checks ran.
 const ALL_PASSED: &str = "vm-ipvs-e2e: all checks passed";
 
 #[test]
 fn ipvs_e2e_in_vm() {
-    if std::env::var_os(IN_VM).is_some() {
+    if vm::in_vm() {
         in_vm::run();
         println!("{ALL_PASSED}");
         return;
     }
-    let exe = std::env::current_exe().expect("the test binary's path");
-    let exe = exe.to_str().expect("a UTF-8 path");
-    let started = Instant::now();
-    let out = run_in_vm(
-        &[
-            "env",
-            &format!("{IN_VM}=1"),
-            exe,
-            "--exact",
-            "ipvs_e2e_in_vm",
-            "--nocapture",
-            "--test-threads=1",
-        ],
-        Duration::from_secs(600),
-    );
-    eprintln!(
-        "VM run took {:.1} s; its output:\n{}",
-        started.elapsed().as_secs_f64(),
-        out.output
-    );
-    assert_eq!(out.code, 0, "the in-VM checks failed (output above)");
-    assert!(out.output.contains(ALL_PASSED), "the in-VM checks did not run");
+    vm::run_this_test_in_vm("ipvs_e2e_in_vm", ALL_PASSED, Duration::from_secs(600));
 }
 
 mod in_vm {

@@ -74,6 +74,41 @@ pub fn run_in_vm(args: &[&str], timeout: Duration) -> VmOutput {
     }
 }
 
+/// Set (to `1`) in the environment of a test binary that runs inside the VM.
+pub const IN_VM: &str = "KUBE_PROXY_IN_VM";
+
+/// Whether this test binary runs inside the VM (see [`run_this_test_in_vm`]).
+pub fn in_vm() -> bool {
+    std::env::var_os(IN_VM).is_some()
+}
+
+/// Runs test `name` of this very test binary inside one VM, with [`IN_VM`] set, and asserts
+/// that it passed and printed `marker` (so a filter that matched no test cannot pass).
+pub fn run_this_test_in_vm(name: &str, marker: &str, timeout: Duration) {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let exe = exe.to_str().expect("a UTF-8 path");
+    let started = Instant::now();
+    let out = run_in_vm(
+        &[
+            "env",
+            &format!("{IN_VM}=1"),
+            exe,
+            "--exact",
+            name,
+            "--nocapture",
+            "--test-threads=1",
+        ],
+        timeout,
+    );
+    eprintln!(
+        "VM run took {:.1} s; its output:\n{}",
+        started.elapsed().as_secs_f64(),
+        out.output
+    );
+    assert_eq!(out.code, 0, "the in-VM checks failed (output above)");
+    assert!(out.output.contains(marker), "the in-VM checks did not run");
+}
+
 /// Like [`run_in_vm`], but a VM failure or timeout is returned rather than a panic.
 pub fn try_run_in_vm(args: &[&str], timeout: Duration) -> Result<VmOutput, VmError> {
     assert!(!args.is_empty(), "run_in_vm needs a command");
