@@ -12,7 +12,11 @@
 //!   over `CHANGES` (default 100).
 //!
 //! Run with `cargo bench --bench nft_sync`. `FLOOR=0` skips the floor (it is slow with
-//! `nft`: it lists every chain before each transaction).
+//! `nft`: it lists every chain before each transaction); `MAX_OPS=N` bounds full-sync
+//! transactions to N commands instead of the proxier's default (how the bound was chosen).
+//! With the netlink backend it also prints the kernel's own cost of a change on the loaded
+//! table: one plain set element, and one verdict-map element (which makes the kernel
+//! validate every chain reachable from the base chains).
 
 use std::io::Write;
 use std::process::{Command, Stdio};

@@ -186,7 +186,7 @@ impl<I: Iptables> Proxier<I> {
                     match &previous {
                         Some(p) => {
                             gained_endpoints |= fragment.has_endpoints && !p.fragment.has_endpoints;
-                            report.udp_endpoints_removed |= lost_udp_endpoints(&p.state, sps);
+                            report.udp_endpoints_removed |= p.state.loses_udp_endpoints_to(sps);
                             services_changed |= p.fragment.services_rules != fragment.services_rules;
                             nodeports_changed |= p.fragment.nodeports_rules != fragment.nodeports_rules;
                             filter_changed |= p.fragment.filter_rules != fragment.filter_rules;
@@ -400,17 +400,6 @@ fn replace_tables<I: Iptables>(
             filter: filter.to_string(),
         },
     ))
-}
-
-/// A UDP service port whose serving endpoints shrank: conntrack may hold flows to the old ones.
-fn lost_udp_endpoints(old: &ServicePortState, new: &ServicePortState) -> bool {
-    if old.port.protocol != crate::model::Protocol::Udp {
-        return false;
-    }
-    let serving = |s: &ServicePortState| -> HashSet<std::net::IpAddr> {
-        s.endpoints.iter().filter(|e| e.serving).map(|e| e.ip).collect()
-    };
-    !serving(old).is_subset(&serving(new)) || old.port != new.port
 }
 
 /// Chain names declared in `iptables-save` output.

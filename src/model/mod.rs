@@ -104,6 +104,20 @@ pub struct ServicePortState {
     pub endpoints: Vec<Endpoint>,
 }
 
+impl ServicePortState {
+    /// Whether going from `self` to `new` can leave stale UDP conntrack entries: a UDP port
+    /// lost a serving endpoint, or the port itself changed.
+    pub fn loses_udp_endpoints_to(&self, new: &ServicePortState) -> bool {
+        if self.port.protocol != Protocol::Udp {
+            return false;
+        }
+        let serving = |s: &ServicePortState| -> std::collections::HashSet<IpAddr> {
+            s.endpoints.iter().filter(|e| e.serving).map(|e| e.ip).collect()
+        };
+        !serving(self).is_subset(&serving(new)) || self.port != new.port
+    }
+}
+
 /// Everything a dataplane needs to program one IP family.
 #[derive(Clone, Debug)]
 pub struct ProxyState {

@@ -412,7 +412,7 @@ impl NftProxier {
             let was_new = old.is_none();
             let old_objs = old.map(|o| ServiceObjects::from_ops(applied.renderer.service(o).ops));
             if let Some(o) = old {
-                plan.udp_endpoints_removed |= lost_udp_endpoints(o, sps);
+                plan.udp_endpoints_removed |= o.loses_udp_endpoints_to(sps);
             }
             let new_objs = ServiceObjects::from_ops(applied.renderer.service(sps).ops);
             plan_service(&mut plan, applied, name, old_objs, Some(new_objs));
@@ -480,18 +480,6 @@ fn is_priority(name: &ServicePortName) -> bool {
     PRIORITY_SERVICES
         .iter()
         .any(|(ns, n)| name.namespace == *ns && name.name == *n)
-}
-
-/// A UDP port lost an endpoint that served it (its conntrack entries may now be stale).
-fn lost_udp_endpoints(old: &ServicePortState, new: &ServicePortState) -> bool {
-    old.port.protocol == Protocol::Udp
-        && old.endpoints.iter().any(|e| {
-            e.ready
-                && !new
-                    .endpoints
-                    .iter()
-                    .any(|n| n.ip == e.ip && n.port == e.port && n.ready)
-        })
 }
 
 /// Adds to `plan` the commands that turn one service port's `old` objects into `new` ones,
