@@ -1,11 +1,49 @@
 //! Benchmark: build the model and render the full iptables ruleset for large clusters.
-//! Run with `cargo bench --bench render`; prints one line per size (median of several runs).
+//! Run with `cargo bench --bench render`; prints one line per size (median of several runs):
+//! the time to convert the cluster's objects into the daemon's store (done once, as objects
+//! arrive), to build one family's state from the store (done on every sync), and to render.
 
 use std::time::{Duration, Instant};
 
 use kube_proxy::config::LocalDetector;
 use kube_proxy::iptables::{RenderOptions, render};
-use kube_proxy::model::synthetic;
+use kube_proxy::manifest::Objects;
+use kube_proxy::model::{IpFamily, ProxyState, Store, synthetic};
+
+/// The synthetic state as the Services and EndpointSlices that describe it.
+fn objects(state: &ProxyState) -> Objects {
+    let mut o = Objects::default();
+    for sps in &state.service_ports {
+        let p = &sps.port;
+        let svc = serde_json::json!({
+            "metadata": {"name": p.name.name, "namespace": p.name.namespace},
+            "spec": {"clusterIP": p.cluster_ip.to_string(), "type": if p.node_port != 0 { "NodePort" } else { "ClusterIP" },
+                     "ports": [{"name": p.name.port, "port": p.port, "protocol": "TCP",
+                                "nodePort": if p.node_port != 0 { Some(p.node_port) } else { None }}]},
+        });
+        let eps: Vec<_> = sps
+            .endpoints
+            .iter()
+            .map(|e| serde_json::json!({"addresses": [e.ip.to_string()], "nodeName": if e.is_local { "node-a" } else { "node-b" }}))
+            .collect();
+        let slice = serde_json::json!({
+            "metadata": {"name": format!("{}-x1", p.name.name), "namespace": p.name.namespace,
+                         "labels": {"kubernetes.io/service-name": p.name.name}},
+            "addressType": "IPv4",
+            "ports": [{"name": p.name.port, "port": sps.endpoints.first().map_or(8080, |e| e.port), "protocol": "TCP"}],
+            "endpoints": eps,
+        });
+        o.services.push(serde_json::from_value(svc).expect("a Service"));
+        o.endpoint_slices
+            .push(serde_json::from_value(slice).expect("an EndpointSlice"));
+    }
+    o
+}
+
+fn median(mut times: Vec<Duration>) -> f64 {
+    times.sort();
+    times[times.len() / 2].as_secs_f64() * 1e3
+}
 
 fn main() {
     let opts = RenderOptions {
@@ -13,11 +51,27 @@ fn main() {
         ..RenderOptions::default()
     };
     println!(
-        "{:<22} {:>12} {:>12} {:>12}",
-        "services x endpoints", "render p50", "lines", "bytes"
+        "{:<22} {:>12} {:>12} {:>12} {:>12} {:>12}",
+        "services x endpoints", "convert p50", "state p50", "render p50", "lines", "bytes"
     );
     for (s, e) in [(1_000, 10), (10_000, 10), (44_000, 1), (5_000, 50)] {
         let st = synthetic::state(s, e);
+        let objs = objects(&st);
+        let mut convert = Vec::new();
+        let mut build = Vec::new();
+        for _ in 0..5 {
+            let t = Instant::now();
+            let store = Store::from_objects(&objs, &st.node.name);
+            convert.push(t.elapsed());
+            let t = Instant::now();
+            let built = store.state(&st.node, IpFamily::V4);
+            build.push(t.elapsed());
+            assert_eq!(
+                built.service_ports, st.service_ports,
+                "the objects describe the synthetic state"
+            );
+        }
+        drop(objs);
         let mut times: Vec<Duration> = Vec::new();
         let mut lines = 0;
         let mut bytes = 0;
@@ -28,11 +82,12 @@ fn main() {
             lines = rs.restore.lines().count();
             bytes = rs.restore.len();
         }
-        times.sort();
         println!(
-            "{:<22} {:>10.1}ms {:>12} {:>12}",
+            "{:<22} {:>10.1}ms {:>10.1}ms {:>10.1}ms {:>12} {:>12}",
             format!("{s} x {e}"),
-            times[2].as_secs_f64() * 1e3,
+            median(convert),
+            median(build),
+            median(times),
             lines,
             bytes
         );

@@ -50,7 +50,12 @@ pub fn families_in_use(objects: &Objects, node: &NodeInfo) -> Vec<IpFamily> {
 /// This node as the configuration and the manifests describe it. As upstream, a specific
 /// `bindAddress` becomes the node's primary IP of its family.
 pub fn node_info(objects: &Objects, cfg: &ProxyConfig) -> NodeInfo {
-    let mut node = NodeInfo::from_objects(objects, &cfg.node_name(), &cfg.node_ips);
+    node_info_from(&objects.nodes, cfg)
+}
+
+/// As [`node_info`], from the Nodes alone.
+pub fn node_info_from(nodes: &[k8s_openapi::api::core::v1::Node], cfg: &ProxyConfig) -> NodeInfo {
+    let mut node = NodeInfo::from_nodes(nodes, &cfg.node_name(), &cfg.node_ips);
     if let Some(bind) = cfg.bind_address.filter(|ip| !ip.is_unspecified()) {
         node.addresses.retain(|ip| *ip != bind);
         node.addresses.insert(0, bind);

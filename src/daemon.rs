@@ -30,9 +30,8 @@ use crate::ipvs::netlink::IpvsHandle;
 use crate::ipvs::proxier::IpvsProxier;
 use crate::ipvs::render::IpvsRenderOptions;
 use crate::kube_source::ApiSource;
-use crate::manifest::Objects;
 use crate::metrics::Metrics;
-use crate::model::{IpFamily, NodeInfo, ProxyState, build_state};
+use crate::model::{IpFamily, NodeInfo, ProxyState, Store};
 use crate::nftables::{self, proxier::NftProxier};
 use crate::source::{self, ManifestSource};
 
@@ -95,7 +94,7 @@ enum Dataplane {
 }
 
 impl Dataplane {
-    fn new(cfg: &ProxyConfig, family: IpFamily, objects: &Objects) -> anyhow::Result<Dataplane> {
+    fn new(cfg: &ProxyConfig, family: IpFamily, objects: &Store) -> anyhow::Result<Dataplane> {
         Ok(match cfg.mode {
             ProxyMode::Nftables => {
                 Dataplane::Nftables(Box::new(NftProxier::netlink(family, options(cfg, family, objects))?))
@@ -144,7 +143,7 @@ impl Dataplane {
         }
     }
 
-    fn set_options(&mut self, cfg: &ProxyConfig, family: IpFamily, objects: &Objects) {
+    fn set_options(&mut self, cfg: &ProxyConfig, family: IpFamily, objects: &Store) {
         match self {
             Dataplane::Iptables(p) => p.set_options(options(cfg, family, objects)),
             Dataplane::Nftables(p) => p.set_options(options(cfg, family, objects)),
@@ -180,7 +179,7 @@ enum Source {
 
 impl Source {
     /// The current objects; `None` until the first complete view.
-    fn snapshot(&mut self) -> Option<Objects> {
+    fn snapshot(&mut self) -> Option<Store> {
         match self {
             Source::Manifests { src, .. } => Some(reload(src)),
             Source::Api(api) => api.snapshot(),
@@ -195,7 +194,7 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
     if cfg.mode == ProxyMode::Ipvs {
         // Never a silent fallback: without IPVS or the scheduler's module, refuse to start
         // (before anything on the node is touched).
-        let scheduler = ipvs_options(cfg, IpFamily::V4, &Objects::default()).scheduler;
+        let scheduler = ipvs_options(cfg, IpFamily::V4, &Store::default()).scheduler;
         crate::ipvs::proxier::check_kernel(&scheduler)?;
     }
     info!(mode = cfg.mode.as_str(), node = %node_name, "Starting kube-proxy");
@@ -217,7 +216,7 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
             info!(manifests = %dir.display(), "Reading Services and EndpointSlices from manifests");
             let watcher = source::watch(dir, tx).with_context(|| format!("watching {}", dir.display()))?;
             Source::Manifests {
-                src: ManifestSource::new(dir),
+                src: ManifestSource::new(dir, &node_name),
                 _watcher: watcher,
             }
         }
@@ -235,7 +234,7 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
         .map(|family| {
             Ok(FamilyProxier {
                 family,
-                proxier: Dataplane::new(cfg, family, &Objects::default())?,
+                proxier: Dataplane::new(cfg, family, &Store::default())?,
                 pending: true,
             })
         })
@@ -259,7 +258,9 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
                 // Coalesce a burst of changes into one snapshot.
                 while rx.try_recv().is_ok() {}
                 let next = source.snapshot();
-                let diff = next.as_ref().map(|n| changes(objects.as_ref(), n));
+                let diff = next
+                    .as_ref()
+                    .map(|n| n.changes_since(objects.as_ref().unwrap_or(&Store::default())));
                 if let (Some(next), Some(diff)) = (next, diff)
                     && (objects.is_none() || diff.any())
                 {
@@ -515,94 +516,22 @@ fn health_check_addresses(_cfg: &ProxyConfig) -> Vec<std::net::IpAddr> {
     Vec::new()
 }
 
-fn reload(src: &mut ManifestSource) -> Objects {
+fn reload(src: &mut ManifestSource) -> Store {
     let snapshot = src.reload();
     for m in &snapshot.messages {
         warn!("{m}");
     }
-    snapshot.objects
+    snapshot.store
 }
 
-/// What changed between two snapshots.
-struct Changes {
-    /// Services added, changed or removed.
-    services: usize,
-    /// EndpointSlices added, changed or removed.
-    slices: usize,
-    /// Nodes or ServiceCIDRs changed.
-    others: bool,
-    /// `last-change-trigger-time` of the changed slices (`network_programming_duration_seconds`).
-    triggers: Vec<std::time::SystemTime>,
-}
-
-impl Changes {
-    fn any(&self) -> bool {
-        self.services > 0 || self.slices > 0 || self.others
-    }
-}
-
-/// Compares two snapshots object by object (a reload that changed nothing costs no sync).
-fn changes(old: Option<&Objects>, new: &Objects) -> Changes {
-    type Key = (String, String);
-    // Objects compare with `==` (no serialisation): this runs on every event.
-    fn by_key<T: k8s_openapi::Metadata<Ty = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>>(
-        list: &[T],
-    ) -> BTreeMap<Key, &T> {
-        list.iter()
-            .map(|o| {
-                let m = o.metadata();
-                let key = (
-                    m.namespace.clone().unwrap_or_default(),
-                    m.name.clone().unwrap_or_default(),
-                );
-                (key, o)
-            })
-            .collect()
-    }
-    fn diff<T: PartialEq>(a: &BTreeMap<Key, &T>, b: &BTreeMap<Key, &T>) -> Vec<Key> {
-        let mut keys: BTreeSet<&Key> = a.keys().collect();
-        keys.extend(b.keys());
-        keys.into_iter().filter(|k| a.get(*k) != b.get(*k)).cloned().collect()
-    }
-    let empty = Objects::default();
-    let old = old.unwrap_or(&empty);
-    let services = diff(&by_key(&old.services), &by_key(&new.services)).len();
-    let changed_slices = diff(&by_key(&old.endpoint_slices), &by_key(&new.endpoint_slices));
-    let mut triggers = Vec::new();
-    for s in &new.endpoint_slices {
-        let key = (
-            s.metadata.namespace.clone().unwrap_or_default(),
-            s.metadata.name.clone().unwrap_or_default(),
-        );
-        if !changed_slices.contains(&key) {
-            continue;
-        }
-        let annotation = s
-            .metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get("endpoints.kubernetes.io/last-change-trigger-time"));
-        if let Some(t) = annotation.and_then(|v| v.parse::<jiff::Timestamp>().ok()) {
-            triggers.push(std::time::SystemTime::from(t));
-        }
-    }
-    let others = old.nodes != new.nodes || old.service_cidrs != new.service_cidrs;
-    Changes {
-        services,
-        slices: changed_slices.len(),
-        others,
-        triggers,
-    }
-}
-
-fn options(cfg: &ProxyConfig, family: IpFamily, objects: &Objects) -> RenderOptions {
-    let mut opts = RenderOptions::from_config(cfg, family, &app::node_info(objects, cfg));
+fn options(cfg: &ProxyConfig, family: IpFamily, objects: &Store) -> RenderOptions {
+    let mut opts = RenderOptions::from_config(cfg, family, &app::node_info_from(&objects.nodes, cfg));
     opts.tcp_be_liberal = read_sysctl("net/netfilter/nf_conntrack_tcp_be_liberal").is_some_and(|v| v != "0");
     opts
 }
 
-fn ipvs_options(cfg: &ProxyConfig, family: IpFamily, objects: &Objects) -> IpvsRenderOptions {
-    IpvsRenderOptions::from_config(cfg, family, &app::node_info(objects, cfg))
+fn ipvs_options(cfg: &ProxyConfig, family: IpFamily, objects: &Store) -> IpvsRenderOptions {
+    IpvsRenderOptions::from_config(cfg, family, &app::node_info_from(&objects.nodes, cfg))
 }
 
 fn read_sysctl(key: &str) -> Option<String> {
@@ -612,8 +541,8 @@ fn read_sysctl(key: &str) -> Option<String> {
 }
 
 /// Localhost NodePorts need `route_localnet` (upstream sets it when they are in effect).
-fn ensure_route_localnet(cfg: &ProxyConfig, objects: &Objects) {
-    let node: NodeInfo = app::node_info(objects, cfg);
+fn ensure_route_localnet(cfg: &ProxyConfig, objects: &Store) {
+    let node: NodeInfo = app::node_info_from(&objects.nodes, cfg);
     let npa = NodePortAddresses::new(IpFamily::V4, &cfg.node_port_addresses, node.primary_ip(IpFamily::V4));
     if cfg.localhost_node_ports && npa.contains_ipv4_loopback() {
         let path = "/proc/sys/net/ipv4/conf/all/route_localnet";
@@ -627,9 +556,9 @@ fn ensure_route_localnet(cfg: &ProxyConfig, objects: &Objects) {
 
 /// One sync of one family: its state and report, or (on failure, retried as a full sync)
 /// whether the failed sync was a full one.
-fn sync_family(cfg: &ProxyConfig, p: &mut FamilyProxier, objects: &Objects) -> Result<(ProxyState, SyncReport), bool> {
-    let node = app::node_info(objects, cfg);
-    let state = build_state(objects, &node, p.family);
+fn sync_family(cfg: &ProxyConfig, p: &mut FamilyProxier, objects: &Store) -> Result<(ProxyState, SyncReport), bool> {
+    let node = app::node_info_from(&objects.nodes, cfg);
+    let state = objects.state(&node, p.family);
     for w in &state.warnings {
         warn!(ip_family = %p.family, "{w}");
     }

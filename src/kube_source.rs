@@ -6,7 +6,9 @@
 //! vanished meanwhile get no `Delete` event, so each kind's store is swapped whole at
 //! `InitDone`, which turns them into deletions. Nothing is handed to the proxy before both
 //! Services and EndpointSlices have been listed once (upstream's `isInitialized`). While the
-//! API server is unreachable the store, and so the rules, stay as they are.
+//! API server is unreachable the store, and so the rules, stay as they are. Services and
+//! EndpointSlices are converted to the model's entries as they arrive (`model::store`); the
+//! k8s objects are not kept.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -26,8 +28,8 @@ use serde::de::DeserializeOwned;
 use tracing::{info, warn};
 
 use crate::daemon::ApiConfig;
-use crate::manifest::Objects;
-use crate::model::{LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME};
+use crate::model::store::{self, ObjectName, object_name};
+use crate::model::{LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME, ServiceEntry, SliceEntry};
 
 /// Upstream's informer label selector for Services and EndpointSlices.
 pub fn label_selector() -> String {
@@ -35,14 +37,14 @@ pub fn label_selector() -> String {
     format!("!{LABEL_HEADLESS},!{LABEL_SERVICE_PROXY_NAME}")
 }
 
-/// One kind's objects by `namespace/name`, plus the relist buffer.
-struct KindStore<K> {
-    objects: BTreeMap<String, K>,
-    relist: Option<BTreeMap<String, K>>,
+/// One kind's objects by `(namespace, name)`, as converted on arrival, plus the relist buffer.
+struct KindStore<T> {
+    objects: BTreeMap<ObjectName, T>,
+    relist: Option<BTreeMap<ObjectName, T>>,
     synced: bool,
 }
 
-impl<K> Default for KindStore<K> {
+impl<T> Default for KindStore<T> {
     fn default() -> Self {
         KindStore {
             objects: BTreeMap::new(),
@@ -52,16 +54,10 @@ impl<K> Default for KindStore<K> {
     }
 }
 
-impl<K: Resource + Clone> KindStore<K> {
-    /// Applies one watcher event; true if what the proxy sees changed.
-    fn apply(&mut self, event: watcher::Event<K>) -> bool {
-        let key = |o: &K| {
-            format!(
-                "{}/{}",
-                o.meta().namespace.as_deref().unwrap_or(""),
-                o.meta().name.as_deref().unwrap_or("")
-            )
-        };
+impl<T: PartialEq> KindStore<T> {
+    /// Applies one watcher event, converting objects with `convert`; true if what the proxy
+    /// sees changed (an update that converts to an equal entry changes nothing).
+    fn apply<K: Resource>(&mut self, event: watcher::Event<K>, convert: impl Fn(&K) -> T) -> bool {
         match event {
             watcher::Event::Init => {
                 self.relist = Some(BTreeMap::new());
@@ -69,7 +65,7 @@ impl<K: Resource + Clone> KindStore<K> {
             }
             watcher::Event::InitApply(o) => {
                 if let Some(buf) = self.relist.as_mut() {
-                    buf.insert(key(&o), o);
+                    buf.insert(object_name(o.meta()), convert(&o));
                 }
                 false
             }
@@ -80,24 +76,29 @@ impl<K: Resource + Clone> KindStore<K> {
                 true
             }
             watcher::Event::Apply(o) => {
-                self.objects.insert(key(&o), o);
+                let name = object_name(o.meta());
+                let entry = convert(&o);
+                if self.objects.get(&name) == Some(&entry) {
+                    return false;
+                }
+                self.objects.insert(name, entry);
                 true
             }
-            watcher::Event::Delete(o) => self.objects.remove(&key(&o)).is_some(),
+            watcher::Event::Delete(o) => self.objects.remove(&object_name(o.meta())).is_some(),
         }
     }
 }
 
 #[derive(Default)]
-struct Store {
-    services: KindStore<Service>,
-    slices: KindStore<EndpointSlice>,
+struct Watched {
+    services: KindStore<Arc<ServiceEntry>>,
+    slices: KindStore<Arc<SliceEntry>>,
     nodes: KindStore<Node>,
 }
 
 /// A running API source; the watchers stop when it is dropped.
 pub struct ApiSource {
-    store: Arc<Mutex<Store>>,
+    store: Arc<Mutex<Watched>>,
     _runtime: tokio::runtime::Runtime,
 }
 
@@ -121,7 +122,7 @@ impl ApiSource {
             burst = cfg.burst,
             "clientConnection.qps/burst are not enforced (only list and watch requests are made)"
         );
-        let store = Arc::new(Mutex::new(Store::default()));
+        let store = Arc::new(Mutex::new(Watched::default()));
         let selector = label_selector();
         let svc_cfg = watcher::Config::default().labels(&selector);
         let node_cfg = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
@@ -130,21 +131,24 @@ impl ApiSource {
             svc_cfg.clone(),
             store.clone(),
             changed.clone(),
-            |s| &mut s.services,
+            |w, e| w.services.apply(e, store::service_entry),
         ));
         runtime.spawn(watch(
             Api::<EndpointSlice>::all(client.clone()),
             svc_cfg,
             store.clone(),
             changed.clone(),
-            |s| &mut s.slices,
+            {
+                let node_name = node_name.to_string();
+                move |w, e| w.slices.apply(e, |s| store::slice_entry(s, &node_name))
+            },
         ));
         runtime.spawn(watch(
             Api::<Node>::all(client.clone()),
             node_cfg,
             store.clone(),
             changed,
-            |s| &mut s.nodes,
+            |w, e| w.nodes.apply(e, Node::clone),
         ));
         runtime.spawn(birth_cry(client, node_name.to_string()));
         Ok(ApiSource {
@@ -154,16 +158,16 @@ impl ApiSource {
     }
 
     /// The objects seen so far; `None` until Services and EndpointSlices are both listed.
-    pub fn snapshot(&self) -> Option<Objects> {
-        let store = self.store.lock().ok()?;
-        if !(store.services.synced && store.slices.synced) {
+    pub fn snapshot(&self) -> Option<store::Store> {
+        let w = self.store.lock().ok()?;
+        if !(w.services.synced && w.slices.synced) {
             return None;
         }
-        Some(Objects {
-            services: store.services.objects.values().cloned().collect(),
-            endpoint_slices: store.slices.objects.values().cloned().collect(),
-            nodes: store.nodes.objects.values().cloned().collect(),
-            ..Objects::default()
+        Some(store::Store {
+            services: w.services.objects.clone(),
+            slices: w.slices.objects.clone(),
+            nodes: w.nodes.objects.values().cloned().collect(),
+            ..store::Store::default()
         })
     }
 }
@@ -200,9 +204,9 @@ async fn client(cfg: &ApiConfig) -> anyhow::Result<Client> {
 async fn watch<K>(
     api: Api<K>,
     config: watcher::Config,
-    store: Arc<Mutex<Store>>,
+    store: Arc<Mutex<Watched>>,
     changed: Sender<()>,
-    kind: fn(&mut Store) -> &mut KindStore<K>,
+    apply: impl Fn(&mut Watched, watcher::Event<K>) -> bool + Send + 'static,
 ) where
     K: Resource + Clone + DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
     K::DynamicType: Default,
@@ -213,7 +217,7 @@ async fn watch<K>(
         match event {
             Ok(event) => {
                 let changed_view = match store.lock() {
-                    Ok(mut s) => kind(&mut s).apply(event),
+                    Ok(mut w) => apply(&mut w, event),
                     Err(_) => return,
                 };
                 if changed_view && changed.send(()).is_err() {
@@ -271,26 +275,32 @@ mod tests {
 
     #[test]
     fn relist_turns_missing_objects_into_deletions() {
-        let mut k = KindStore::<Service>::default();
+        let mut k = KindStore::<Arc<ServiceEntry>>::default();
+        let conv = store::service_entry;
         for e in [
             watcher::Event::Init,
             watcher::Event::InitApply(svc("a")),
             watcher::Event::InitApply(svc("b")),
         ] {
-            assert!(!k.apply(e));
+            assert!(!k.apply(e, conv));
         }
         assert!(!k.synced);
-        assert!(k.apply(watcher::Event::InitDone));
+        assert!(k.apply(watcher::Event::InitDone, conv));
         assert_eq!(k.objects.len(), 2);
         // Reconnect: only "a" is listed again; "b" vanished while we were away.
-        k.apply(watcher::Event::Init);
+        k.apply(watcher::Event::Init, conv);
         assert_eq!(k.objects.len(), 2, "the old view stays until the relist is complete");
-        k.apply(watcher::Event::InitApply(svc("a")));
-        assert!(k.apply(watcher::Event::InitDone));
-        assert_eq!(k.objects.keys().collect::<Vec<_>>(), vec!["d/a"]);
-        assert!(k.apply(watcher::Event::Apply(svc("c"))));
-        assert!(k.apply(watcher::Event::Delete(svc("c"))));
-        assert!(!k.apply(watcher::Event::Delete(svc("zzz"))));
+        k.apply(watcher::Event::InitApply(svc("a")), conv);
+        assert!(k.apply(watcher::Event::InitDone, conv));
+        let names: Vec<_> = k.objects.keys().map(|(ns, n)| format!("{ns}/{n}")).collect();
+        assert_eq!(names, vec!["d/a"]);
+        assert!(k.apply(watcher::Event::Apply(svc("c")), conv));
+        assert!(
+            !k.apply(watcher::Event::Apply(svc("c")), conv),
+            "an update the proxy cannot see is no change"
+        );
+        assert!(k.apply(watcher::Event::Delete(svc("c")), conv));
+        assert!(!k.apply(watcher::Event::Delete(svc("zzz")), conv));
     }
 
     #[test]

@@ -2,32 +2,107 @@
 //! read from a directory of manifests and re-read when files change (inotify through the
 //! `notify` crate). Bad edits lose nothing: a file that stops parsing keeps the objects it had,
 //! and an object that stops decoding keeps its previous version, each with a logged error.
+//! Objects are converted to the model's entries as they are read (see `model::store`); a file
+//! whose text did not change is not parsed again (nor are its warnings repeated).
 
 use std::collections::BTreeMap;
+use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::mpsc::Sender;
 
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::networking::v1::ServiceCIDR;
 use notify::{RecursiveMode, Watcher};
 
-use crate::manifest::{self, Objects};
+use crate::manifest::{self, ObjectKey, Objects};
+use crate::model::store::{ObjectName, Store, object_name};
+use crate::model::{ServiceEntry, SliceEntry};
 
-/// Reloads a manifest directory, remembering the last good content of every file.
+/// Reloads a manifest directory, remembering the last good content of every file, converted.
 pub struct ManifestSource {
     dir: PathBuf,
-    files: BTreeMap<PathBuf, Objects>,
+    /// Decides endpoint locality when slices are converted.
+    node_name: String,
+    files: BTreeMap<PathBuf, FileEntries>,
+}
+
+/// What one file held, converted; the k8s objects themselves are not kept.
+#[derive(Clone, Default)]
+struct FileEntries {
+    /// Hash of the file's text: an unchanged file is not parsed again.
+    text_hash: u64,
+    services: Vec<(ObjectName, Arc<ServiceEntry>)>,
+    slices: Vec<(ObjectName, Arc<SliceEntry>)>,
+    nodes: Vec<Node>,
+    service_cidrs: Vec<ServiceCIDR>,
+}
+
+impl FileEntries {
+    fn convert(objects: &Objects, node_name: &str, text_hash: u64) -> FileEntries {
+        FileEntries {
+            text_hash,
+            services: objects
+                .services
+                .iter()
+                .map(|s| (object_name(&s.metadata), Arc::new(ServiceEntry::from_service(s))))
+                .collect(),
+            slices: objects
+                .endpoint_slices
+                .iter()
+                .map(|s| (object_name(&s.metadata), Arc::new(SliceEntry::from_slice(s, node_name))))
+                .collect(),
+            nodes: objects.nodes.clone(),
+            service_cidrs: objects.service_cidrs.clone(),
+        }
+    }
+
+    /// Brings back the previous version of an object that no longer decodes; true if there
+    /// was one.
+    fn keep_previous(&mut self, previous: &FileEntries, key: &ObjectKey) -> bool {
+        let name = (
+            key.namespace.clone().unwrap_or_else(|| "default".to_string()),
+            key.name.clone(),
+        );
+        fn find<T: Clone>(list: &[(ObjectName, T)], name: &ObjectName) -> Option<(ObjectName, T)> {
+            list.iter().find(|(n, _)| n == name).cloned()
+        }
+        let by_meta = |m: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta| {
+            m.name.as_deref() == Some(key.name.as_str()) && m.namespace == key.namespace
+        };
+        match key.kind.as_str() {
+            "Service" => find(&previous.services, &name).map(|e| self.services.push(e)).is_some(),
+            "EndpointSlice" => find(&previous.slices, &name).map(|e| self.slices.push(e)).is_some(),
+            "Node" => previous
+                .nodes
+                .iter()
+                .find(|n| by_meta(&n.metadata))
+                .map(|n| self.nodes.push(n.clone()))
+                .is_some(),
+            "ServiceCIDR" => previous
+                .service_cidrs
+                .iter()
+                .find(|c| by_meta(&c.metadata))
+                .map(|c| self.service_cidrs.push(c.clone()))
+                .is_some(),
+            _ => false,
+        }
+    }
 }
 
 /// One reload: the merged objects and what to tell the operator.
 pub struct Snapshot {
-    pub objects: Objects,
+    pub store: Store,
     /// Errors (file-level) and warnings (object-level), each naming file and object.
     pub messages: Vec<String>,
 }
 
 impl ManifestSource {
-    pub fn new(dir: impl Into<PathBuf>) -> ManifestSource {
+    /// A source for the node `node_name` (endpoints on it are local).
+    pub fn new(dir: impl Into<PathBuf>, node_name: &str) -> ManifestSource {
         ManifestSource {
             dir: dir.into(),
+            node_name: node_name.to_string(),
             files: BTreeMap::new(),
         }
     }
@@ -36,7 +111,7 @@ impl ManifestSource {
         &self.dir
     }
 
-    /// Reads every file again.
+    /// Reads every file again (files whose text did not change keep their entries).
     pub fn reload(&mut self) -> Snapshot {
         let mut messages = Vec::new();
         let files = match manifest::manifest_files(&self.dir) {
@@ -45,7 +120,7 @@ impl ManifestSource {
                 // The directory itself is unreadable: keep everything we had.
                 messages.push(format!("{e}; keeping the objects read before"));
                 return Snapshot {
-                    objects: self.merged(),
+                    store: self.merged(),
                     messages,
                 };
             }
@@ -53,53 +128,79 @@ impl ManifestSource {
         let mut next = BTreeMap::new();
         for file in files {
             let previous = self.files.get(&file);
-            let parsed = std::fs::read_to_string(&file)
-                .map_err(|source| manifest::ManifestError::Io {
-                    path: file.clone(),
-                    source,
-                })
-                .and_then(|text| {
-                    let mut o = Objects::default();
-                    manifest::load_str(&file, &text, &mut o).map(|_| o)
-                });
-            let objects = match parsed {
-                Ok(mut o) => {
-                    if let Some(prev) = previous {
-                        for key in o.keep_previous_versions(prev) {
+            let text = match std::fs::read_to_string(&file) {
+                Ok(text) => text,
+                Err(source) => {
+                    let e = manifest::ManifestError::Io {
+                        path: file.clone(),
+                        source,
+                    };
+                    messages.push(format!("{e}; keeping the objects this file had before"));
+                    next.insert(file, previous.cloned().unwrap_or_default());
+                    continue;
+                }
+            };
+            let text_hash = {
+                let mut h = std::collections::hash_map::DefaultHasher::new();
+                text.hash(&mut h);
+                h.finish()
+            };
+            if let Some(prev) = previous.filter(|p| p.text_hash == text_hash) {
+                next.insert(file, prev.clone());
+                continue;
+            }
+            let mut parsed = Objects::default();
+            let entries = match manifest::load_str(&file, &text, &mut parsed) {
+                Ok(()) => {
+                    drop(text);
+                    let mut entries = FileEntries::convert(&parsed, &self.node_name, text_hash);
+                    for key in &parsed.failed {
+                        if let Some(prev) = previous
+                            && entries.keep_previous(prev, key)
+                        {
                             messages.push(format!(
                                 "{}: keeping the previous version of {} {}{}",
                                 file.display(),
                                 key.kind,
-                                key.namespace.map(|n| format!("{n}/")).unwrap_or_default(),
+                                key.namespace.as_ref().map(|n| format!("{n}/")).unwrap_or_default(),
                                 key.name
                             ));
                         }
                     }
-                    messages.append(&mut o.warnings);
-                    o
+                    messages.append(&mut parsed.warnings);
+                    entries
                 }
                 Err(e) => {
                     messages.push(format!("{e}; keeping the objects this file had before"));
-                    previous.cloned().unwrap_or_default()
+                    // Parse it again next time, whatever its text.
+                    FileEntries {
+                        text_hash: 0,
+                        ..previous.cloned().unwrap_or_default()
+                    }
                 }
             };
-            next.insert(file, objects);
+            next.insert(file, entries);
         }
         self.files = next;
         Snapshot {
-            objects: self.merged(),
+            store: self.merged(),
             messages,
         }
     }
 
-    fn merged(&self) -> Objects {
-        let mut all = Objects::default();
-        for o in self.files.values() {
-            let mut o = o.clone();
-            o.warnings.clear();
-            all.extend(o);
+    fn merged(&self) -> Store {
+        let mut store = Store::default();
+        for f in self.files.values() {
+            for (name, entry) in &f.services {
+                store.insert_service(name.clone(), entry.clone());
+            }
+            for (name, entry) in &f.slices {
+                store.insert_slice(name.clone(), entry.clone());
+            }
+            store.nodes.extend(f.nodes.iter().cloned());
+            store.service_cidrs.extend(f.service_cidrs.iter().cloned());
         }
-        all
+        store
     }
 }
 
@@ -145,13 +246,13 @@ mod tests {
         let dir = tempdir("bad");
         let f = dir.0.join("svc.yaml");
         std::fs::write(&f, SVC).unwrap();
-        let mut src = ManifestSource::new(&dir.0);
-        assert_eq!(src.reload().objects.services.len(), 1);
+        let mut src = ManifestSource::new(&dir.0, "node-a");
+        assert_eq!(src.reload().store.services.len(), 1);
 
         // A syntax error keeps the file's objects.
         std::fs::write(&f, "apiVersion: v1\nkind: [broken\n").unwrap();
         let snap = src.reload();
-        assert_eq!(snap.objects.services.len(), 1);
+        assert_eq!(snap.store.services.len(), 1);
         assert!(
             snap.messages
                 .iter()
@@ -163,11 +264,11 @@ mod tests {
         // A field that does not decode keeps the object's previous version.
         std::fs::write(&f, SVC.replace("port: 80", "port: eighty")).unwrap();
         let snap = src.reload();
-        assert_eq!(snap.objects.services.len(), 1);
-        assert_eq!(
-            snap.objects.services[0].spec.as_ref().unwrap().ports.as_ref().unwrap()[0].port,
-            80
-        );
+        let state = snap
+            .store
+            .state(&crate::model::NodeInfo::default(), crate::model::IpFamily::V4);
+        assert_eq!(state.service_ports.len(), 1);
+        assert_eq!(state.service_ports[0].port.port, 80);
         assert!(
             snap.messages
                 .iter()
@@ -178,6 +279,34 @@ mod tests {
 
         // Removing the file removes its objects.
         std::fs::remove_file(&f).unwrap();
-        assert!(src.reload().objects.services.is_empty());
+        assert!(src.reload().store.services.is_empty());
+    }
+
+    #[test]
+    fn unchanged_files_keep_their_entries_and_a_snapshot_shares_them() {
+        let dir = tempdir("reuse");
+        std::fs::write(dir.0.join("a.yaml"), SVC).unwrap();
+        std::fs::write(
+            dir.0.join("b.yaml"),
+            SVC.replace("web", "api").replace("10.96.0.1", "10.96.0.2"),
+        )
+        .unwrap();
+        let mut src = ManifestSource::new(&dir.0, "node-a");
+        let first = src.reload().store;
+        let key = |n: &str| ("d".to_string(), n.to_string());
+        // b.yaml changes; a.yaml's entry is the same allocation, not a re-parsed copy.
+        std::fs::write(
+            dir.0.join("b.yaml"),
+            SVC.replace("web", "api").replace("10.96.0.1", "10.96.0.3"),
+        )
+        .unwrap();
+        let second = src.reload().store;
+        assert!(Arc::ptr_eq(&first.services[&key("web")], &second.services[&key("web")]));
+        assert!(!Arc::ptr_eq(
+            &first.services[&key("api")],
+            &second.services[&key("api")]
+        ));
+        let changes = second.changes_since(&first);
+        assert_eq!((changes.services, changes.slices), (1, 0));
     }
 }

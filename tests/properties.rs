@@ -1,14 +1,14 @@
 //! Property tests over generated proxy states: rendering never panics, chain names are unique
 //! and fit iptables' 28-character limit, and the probability chains split traffic exactly 1/n.
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::HashSet;
 use std::net::{IpAddr, Ipv4Addr};
 
 use ipnet::IpNet;
 use kube_proxy::config::LocalDetector;
 use kube_proxy::iptables::{RenderOptions, render};
 use kube_proxy::model::{
-    Endpoint, IpFamily, NodeInfo, Protocol, ProxyState, ServicePort, ServicePortName, ServicePortState,
+    Endpoint, Hints, IpFamily, NodeInfo, Protocol, ProxyState, ServicePort, ServicePortName, ServicePortState,
 };
 use proptest::prelude::*;
 
@@ -31,11 +31,11 @@ fn endpoint() -> impl Strategy<Value = Endpoint> {
             serving,
             terminating,
             zone_hints: if zone == 0 {
-                BTreeSet::new()
+                Hints::default()
             } else {
-                BTreeSet::from([format!("zone-{zone}")])
+                Hints::from_iter([format!("zone-{zone}")])
             },
-            node_hints: BTreeSet::new(),
+            node_hints: Hints::default(),
         })
 }
 

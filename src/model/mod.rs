@@ -7,6 +7,7 @@
 
 mod endpoints;
 mod services;
+pub mod store;
 pub mod synthetic;
 #[cfg(test)]
 pub(crate) mod testing;
@@ -17,9 +18,11 @@ use std::collections::BTreeMap;
 use std::net::IpAddr;
 
 use ipnet::IpNet;
+use k8s_openapi::api::core::v1::Node;
 
-pub use endpoints::{Endpoint, endpoints_by_service_port};
-pub use services::{ServicePort, ServicePortName, service_ports};
+pub use endpoints::{Endpoint, Hints, SliceEntry, SlicePort, endpoints_by_service_port};
+pub use services::{ServiceEntry, ServicePort, ServicePortName, service_ports};
+pub use store::Store;
 pub use topology::{EndpointSets, categorize_endpoints};
 pub use types::{IpFamily, Protocol};
 
@@ -51,11 +54,16 @@ impl NodeInfo {
     /// Finds the node called `name` in `objects`; a node that is not there has no labels and
     /// no addresses. `node_ips` (from `--node-ip`) replace the Node's addresses when non-empty.
     pub fn from_objects(objects: &Objects, name: &str, node_ips: &[IpAddr]) -> NodeInfo {
+        NodeInfo::from_nodes(&objects.nodes, name, node_ips)
+    }
+
+    /// As [`NodeInfo::from_objects`], from a list of Nodes.
+    pub fn from_nodes(nodes: &[Node], name: &str, node_ips: &[IpAddr]) -> NodeInfo {
         let mut info = NodeInfo {
             name: name.to_string(),
             ..NodeInfo::default()
         };
-        if let Some(node) = objects.nodes.iter().find(|n| n.metadata.name.as_deref() == Some(name)) {
+        if let Some(node) = nodes.iter().find(|n| n.metadata.name.as_deref() == Some(name)) {
             info.labels = node.metadata.labels.clone().unwrap_or_default();
             if let Some(spec) = &node.spec {
                 info.pod_cidrs = spec.pod_cidrs.clone().unwrap_or_default();
@@ -132,43 +140,7 @@ pub struct ProxyState {
 
 /// Builds the state of `family` from the objects, as seen by the node `node`.
 pub fn build_state(objects: &Objects, node: &NodeInfo, family: IpFamily) -> ProxyState {
-    let mut warnings = Vec::new();
-    let ports = service_ports(&objects.services, family, &mut warnings);
-    let mut endpoints = endpoints_by_service_port(&objects.endpoint_slices, family, &node.name, &mut warnings);
-    let service_ports = ports
-        .into_iter()
-        .map(|port| {
-            let eps = endpoints.remove(&port.name).unwrap_or_default();
-            ServicePortState { port, endpoints: eps }
-        })
-        .collect();
-    let mut service_cidrs = Vec::new();
-    for sc in &objects.service_cidrs {
-        let name = sc.metadata.name.as_deref().unwrap_or("<unnamed>");
-        for (i, cidr) in sc
-            .spec
-            .as_ref()
-            .and_then(|s| s.cidrs.clone())
-            .unwrap_or_default()
-            .iter()
-            .enumerate()
-        {
-            match cidr.trim().parse::<IpNet>() {
-                Ok(net) if family.contains(&net.addr()) => service_cidrs.push(net.trunc()),
-                Ok(_) => {}
-                Err(_) => warnings.push(format!(
-                    "ServiceCIDR {name}: field spec.cidrs[{i}]: invalid CIDR {cidr:?}; skipped"
-                )),
-            }
-        }
-    }
-    ProxyState {
-        family,
-        node: node.clone(),
-        service_ports,
-        service_cidrs,
-        warnings,
-    }
+    Store::from_objects(objects, &node.name).state(node, family)
 }
 
 /// True if `s` is safe to embed in rule text and chain-name hashes: Kubernetes names are

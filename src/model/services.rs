@@ -96,8 +96,14 @@ pub fn service_ports(services: &[Service], family: IpFamily, warnings: &mut Vec<
     for svc in services {
         service_to_ports(svc, family, warnings, &mut out);
     }
-    out.sort_by(|a, b| a.name.cmp(&b.name));
-    out.dedup_by(|b, a| {
+    sort_and_dedup(&mut out, warnings);
+    out
+}
+
+/// Sorts service ports by name and protocol and keeps the first of ports that share both.
+pub(crate) fn sort_and_dedup(ports: &mut Vec<ServicePort>, warnings: &mut Vec<String>) {
+    ports.sort_by(|a, b| a.name.cmp(&b.name));
+    ports.dedup_by(|b, a| {
         if a.name == b.name {
             warnings.push(format!(
                 "Service {}/{}: duplicate port {} {}; the first one is used",
@@ -108,7 +114,55 @@ pub fn service_ports(services: &[Service], family: IpFamily, warnings: &mut Vec<
             false
         }
     });
-    out
+}
+
+/// One Service reduced to what the proxy programs, converted once when it arrives: its
+/// service ports in each family and what was wrong with it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ServiceEntry {
+    /// IPv4 ports and warnings, then IPv6.
+    families: [(Vec<ServicePort>, Vec<String>); 2],
+    /// Whether any cluster IP of the Service is IPv4 / IPv6 (to choose families to render).
+    pub(crate) cluster_ip_families: [bool; 2],
+}
+
+impl ServiceEntry {
+    pub fn from_service(svc: &Service) -> ServiceEntry {
+        let convert = |family| {
+            let (mut ports, mut warnings) = (Vec::new(), Vec::new());
+            service_to_ports(svc, family, &mut warnings, &mut ports);
+            ports.shrink_to_fit();
+            (ports, warnings)
+        };
+        let mut cluster_ip_families = [false; 2];
+        if let Some(spec) = &svc.spec {
+            let ips = spec.cluster_ips.iter().flatten().chain(spec.cluster_ip.iter());
+            for ip in ips.filter_map(|ip| parse_ip(ip)) {
+                cluster_ip_families[family_index(IpFamily::of(&ip))] = true;
+            }
+        }
+        ServiceEntry {
+            families: [convert(IpFamily::V4), convert(IpFamily::V6)],
+            cluster_ip_families,
+        }
+    }
+
+    /// The service ports of `family`.
+    pub fn ports(&self, family: IpFamily) -> &[ServicePort] {
+        &self.families[family_index(family)].0
+    }
+
+    /// What was wrong with the Service, as seen by the proxier of `family`.
+    pub fn warnings(&self, family: IpFamily) -> &[String] {
+        &self.families[family_index(family)].1
+    }
+}
+
+fn family_index(family: IpFamily) -> usize {
+    match family {
+        IpFamily::V4 => 0,
+        IpFamily::V6 => 1,
+    }
 }
 
 fn service_to_ports(svc: &Service, family: IpFamily, warnings: &mut Vec<String>, out: &mut Vec<ServicePort>) {
