@@ -6,6 +6,8 @@
 //!   exactly as upstream's change trackers and `CategorizeEndpoints` compute them.
 //! - [`config`]: `KubeProxyConfiguration` (v1alpha1) and upstream's flags with their precedence.
 //! - [`iptables`]: the pure `iptables-restore` renderer and the packet tracer over its output.
+//! - [`vm`]: a throw-away VM with a kernel that has IPVS, for the VM tests and for
+//!   `kube-proxy lab --proxy-mode=ipvs` on a kernel without it.
 #![forbid(unsafe_code)]
 
 pub mod app;
@@ -24,3 +26,4 @@ pub mod metrics;
 pub mod model;
 pub mod nftables;
 pub mod source;
+pub mod vm;

@@ -706,7 +706,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Some(LabAction::Probe(a)) => kube_proxy::lab::probe::probe(&a).map(|_| ExitCode::SUCCESS),
             None => {
                 let binary = std::env::current_exe().context("locating the kube-proxy binary")?;
-                kube_proxy::lab::run::main(binary, cfg.mode, args.connections).map(|_| ExitCode::SUCCESS)
+                // As given: where the lab runs again in the VM, it parses them there itself.
+                let argv: Vec<String> = std::env::args().skip(1).collect();
+                kube_proxy::lab::run::main(binary, cfg.mode, args.connections, &argv)
             }
         },
     }

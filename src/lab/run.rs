@@ -1,17 +1,22 @@
 //! `kube-proxy lab`: builds a throw-away node, client pod, outside host and three endpoints in
 //! network namespaces, runs the real daemon on its own manifests, and reproduces the seed
-//! experiment as a readable report. It never touches the root namespace, and removes
-//! everything it created on exit and on Ctrl-C.
+//! experiment as a readable report, in iptables, nftables or IPVS mode. It never touches the
+//! root namespace, and removes everything it created on exit and on Ctrl-C.
+//!
+//! IPVS mode needs a kernel with IPVS; on one without, the whole lab runs in a VM instead
+//! (`relay.rs`). Its report shows what an IPVS operator looks at (`ipvsadm`, `kube-ipvs0`)
+//! and says where IPVS behaves differently from iptables mode.
 
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
+use super::ipvs;
 use super::netns::ChildGuard;
 use super::probe::{ProbeArgs, ProbeReport};
 use super::scenario::{Ep, ServiceSpec, manifests};
@@ -23,9 +28,18 @@ const PREFIX: &str = "kplab";
 const CLUSTER_IP: &str = "10.96.165.10";
 const NODE_PORT: u16 = 32517;
 const SERVICE: &str = "default/web:p";
+/// How long the report waits for the daemon to program a change. Generous: in the VM (TCG)
+/// a sync takes seconds; the report prints how long it really took.
+const CHANGE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Runs the lab, printing the report to stdout. Ctrl-C or SIGTERM stops it and cleans up.
-pub fn main(binary: PathBuf, mode: ProxyMode, connections: u32) -> Result<()> {
+///
+/// `args` are the lab's own arguments (after the program name): in IPVS mode on a kernel
+/// without IPVS, `binary` runs again with them in the VM, and its exit code is returned.
+pub fn main(binary: PathBuf, mode: ProxyMode, connections: u32, args: &[String]) -> Result<ExitCode> {
+    if mode == ProxyMode::Ipvs && !kernel_has_ipvs() {
+        return super::relay::relay(&binary, args);
+    }
     preflight(mode)?;
     let dir = std::env::temp_dir().join(format!("kube-proxy-lab-{}", std::process::id()));
     let (done_tx, done_rx) = tokio::sync::oneshot::channel();
@@ -34,23 +48,12 @@ pub fn main(binary: PathBuf, mode: ProxyMode, connections: u32) -> Result<()> {
         let result = run(&binary, mode, &worker_dir, connections, &mut std::io::stdout());
         let _ = done_tx.send(result);
     });
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("starting signal handling")?;
-    let outcome = runtime.block_on(async {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
-        tokio::select! {
-            r = done_rx => Some(r),
-            _ = tokio::signal::ctrl_c() => None,
-            _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending::<()>().await } } => None,
-        }
-    });
-    match outcome {
+    match wait_or_signal(done_rx)? {
         Some(result) => {
             let _ = worker.join();
             let _ = std::fs::remove_dir_all(&dir);
-            result.unwrap_or_else(|_| bail!("the lab stopped unexpectedly"))
+            result.unwrap_or_else(|_| bail!("the lab stopped unexpectedly"))?;
+            Ok(ExitCode::SUCCESS)
         }
         None => {
             eprintln!("\ninterrupted: removing the lab's namespaces and processes");
@@ -61,34 +64,73 @@ pub fn main(binary: PathBuf, mode: ProxyMode, connections: u32) -> Result<()> {
     }
 }
 
-/// Everything the lab needs, with a message that says how to get it.
-fn preflight(mode: ProxyMode) -> Result<()> {
-    if mode == ProxyMode::Ipvs {
-        bail!(
-            "the lab runs --proxy-mode=iptables and nftables; IPVS mode is exercised end to end in a VM by tests/vm_ipvs_e2e.rs (the lab's report does not cover it yet)"
-        );
+/// Waits for `done`, or for Ctrl-C or SIGTERM: `None` when a signal came first (the work goes
+/// on; the caller stops it).
+pub(super) fn wait_or_signal<T>(
+    done: tokio::sync::oneshot::Receiver<T>,
+) -> Result<Option<Result<T, tokio::sync::oneshot::error::RecvError>>> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting signal handling")?;
+    Ok(runtime.block_on(async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+        tokio::select! {
+            r = done => Some(r),
+            _ = tokio::signal::ctrl_c() => None,
+            _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending::<()>().await } } => None,
+        }
+    }))
+}
+
+/// Whether this kernel has IPVS: loaded, or loadable with `modprobe ip_vs` (which loads it;
+/// /proc/net/ip_vs appears in every namespace then).
+fn kernel_has_ipvs() -> bool {
+    let present = || Path::new("/proc/net/ip_vs").exists();
+    if present() {
+        return true;
     }
-    if !nix::unistd::geteuid().is_root() {
-        bail!("the lab creates network namespaces and must run as root (e.g. sudo kube-proxy lab)");
-    }
-    let mut missing = Vec::new();
-    for (tool, package) in [
+    let loaded = Command::new("modprobe")
+        .arg("ip_vs")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    loaded && present()
+}
+
+/// The tools the lab in `mode` runs that are not installed, as `tool (package P)`. Looked up
+/// on PATH rather than run, so that the check also holds on the machine that boots the VM.
+pub(super) fn missing_tools(mode: ProxyMode) -> Vec<String> {
+    let mut tools = vec![
         ("ip", "iproute2"),
         ("iptables", "iptables"),
         ("iptables-save", "iptables"),
         ("iptables-restore", "iptables"),
-    ] {
-        let found = Command::new(tool)
-            .arg(if tool == "ip" { "-V" } else { "--version" })
-            .output()
-            .is_ok_and(|o| o.status.success());
-        if !found {
-            missing.push(format!("{tool} (package {package})"));
-        }
+    ];
+    match mode {
+        ProxyMode::Nftables => tools.push(("nft", "nftables")),
+        // The daemon needs ipset (it refuses to start without); the report lists with ipvsadm.
+        ProxyMode::Ipvs => tools.extend([("ipset", "ipset"), ("ipvsadm", "ipvsadm")]),
+        ProxyMode::Iptables => {}
     }
+    tools
+        .into_iter()
+        .filter(|(tool, _)| crate::vm::find_program(tool).is_none())
+        .map(|(tool, package)| format!("{tool} (package {package})"))
+        .collect()
+}
+
+/// Everything the lab needs, with a message that says how to get it.
+fn preflight(mode: ProxyMode) -> Result<()> {
+    if !nix::unistd::geteuid().is_root() {
+        bail!("the lab creates network namespaces and must run as root (e.g. sudo kube-proxy lab)");
+    }
+    let missing = missing_tools(mode);
     if !missing.is_empty() {
         bail!(
-            "missing tools: {}; on Debian/Ubuntu: apt-get install -y iproute2 iptables conntrack",
+            "missing tools: {}; on Debian/Ubuntu: apt-get install -y iproute2 iptables nftables ipset ipvsadm conntrack",
             missing.join(", ")
         );
     }
@@ -147,10 +189,12 @@ fn ms(d: Duration) -> String {
 
 fn run(binary: &Path, mode: ProxyMode, dir: &Path, connections: u32, out: &mut impl Write) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
     writeln!(
         out,
-        "kube-proxy lab: {} mode, everything in network namespaces named {PREFIX}-{}-*\n",
+        "kube-proxy lab: {} mode on kernel {}, everything in network namespaces named {PREFIX}-{}-*\n",
         mode.as_str(),
+        kernel.trim(),
         std::process::id()
     )?;
 
@@ -174,22 +218,21 @@ fn run(binary: &Path, mode: ProxyMode, dir: &Path, connections: u32, out: &mut i
     let eps = |bed: &Testbed| bed.endpoints().iter().map(|e| Ep::local(e.ip)).collect::<Vec<_>>();
     write_manifests(dir, &web(&eps(&bed)))?;
 
-    let args: Vec<String> = [
-        "--hostname-override=node-a",
-        "--cluster-cidr=10.244.0.0/16",
-        "--iptables-min-sync-period=0s",
-        "--iptables-sync-period=5s",
-        &format!("--proxy-mode={}", mode.as_str()),
-        "--manifests",
-        &dir.display().to_string(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    // IPVS mode has its own sync periods; nftables mode uses iptables mode's, as upstream.
+    let periods = if mode == ProxyMode::Ipvs { "ipvs" } else { "iptables" };
+    let args: Vec<String> = vec![
+        "--hostname-override=node-a".to_string(),
+        "--cluster-cidr=10.244.0.0/16".to_string(),
+        format!("--{periods}-min-sync-period=0s"),
+        format!("--{periods}-sync-period=5s"),
+        format!("--proxy-mode={}", mode.as_str()),
+        "--manifests".to_string(),
+        dir.display().to_string(),
+    ];
     let t = Instant::now();
     let daemon: ChildGuard = bed.spawn_in_node(binary, &args)?;
     daemon
-        .wait_for_log("Synced rules", Duration::from_secs(30))
+        .wait_for_log("Synced rules", Duration::from_secs(60))
         .context("the daemon's first sync")?;
     writeln!(
         out,
@@ -202,16 +245,25 @@ fn run(binary: &Path, mode: ProxyMode, dir: &Path, connections: u32, out: &mut i
     let chains = names::service_port_chains(SERVICE, "tcp");
 
     let nft = mode == ProxyMode::Nftables;
-    let source = if nft {
-        "nft list table ip kube-proxy"
+    let source = match mode {
+        ProxyMode::Nftables => "nft list table ip kube-proxy",
+        ProxyMode::Iptables => "iptables-save -t nat",
+        ProxyMode::Ipvs => "ipvsadm -Ln",
+    };
+    let what = if mode == ProxyMode::Ipvs {
+        "virtual server"
     } else {
-        "iptables-save -t nat"
+        "chains"
     };
     writeln!(
         out,
-        "1. The chains of Service {SERVICE} (ClusterIP {CLUSTER_IP}:80, NodePort {NODE_PORT}), from {source}"
+        "1. The {what} of Service {SERVICE} (ClusterIP {CLUSTER_IP}:80, NodePort {NODE_PORT}), from {source}"
     )?;
-    show_service(out, &bed, nft, &chains.cluster)?;
+    if mode == ProxyMode::Ipvs {
+        show_ipvs_service(out, &bed, cip)?;
+    } else {
+        show_service(out, &bed, nft, &chains.cluster)?;
+    }
 
     writeln!(
         out,
@@ -219,6 +271,9 @@ fn run(binary: &Path, mode: ProxyMode, dir: &Path, connections: u32, out: &mut i
     )?;
     let report = bed.probe(&bed.client, &ProbeArgs::tcp(cip).with_count(connections))?;
     print_distribution(out, &report, connections)?;
+    if mode == ProxyMode::Ipvs {
+        print_turns(out, &report, bed.endpoints().len())?;
+    }
 
     writeln!(out, "\n3. Scale to 4 endpoints")?;
     let new = bed.add_endpoint()?;
@@ -226,13 +281,11 @@ fn run(binary: &Path, mode: ProxyMode, dir: &Path, connections: u32, out: &mut i
     let sep = names::endpoint_chain(SERVICE, "tcp", &new_addr.to_string());
     let changed = Instant::now();
     write_manifests(dir, &web(&eps(&bed)))?;
-    let live = poll(Duration::from_secs(10), || {
-        rules(&bed, nft).is_ok_and(|n| n.contains(&new_addr.to_string()))
-    });
-    let what = if nft {
-        format!("endpoint chain (dnat to {new_addr})")
-    } else {
-        format!("{sep} (DNAT to {new_addr})")
+    let live = poll(CHANGE_TIMEOUT, || serving(&bed, mode, cip, new_addr));
+    let what = match mode {
+        ProxyMode::Nftables => format!("endpoint chain (dnat to {new_addr})"),
+        ProxyMode::Iptables => format!("{sep} (DNAT to {new_addr})"),
+        ProxyMode::Ipvs => format!("real server {new_addr} (Masq, weight 1)"),
     };
     match live {
         Some(_) => writeln!(
@@ -240,32 +293,56 @@ fn run(binary: &Path, mode: ProxyMode, dir: &Path, connections: u32, out: &mut i
             "   manifest changed -> {what} live after {}",
             ms(changed.elapsed())
         )?,
-        None => writeln!(out, "   the new endpoint's chain did not appear within 10 s")?,
+        None => writeln!(
+            out,
+            "   the new endpoint's {} did not appear within {CHANGE_TIMEOUT:?}",
+            if mode == ProxyMode::Ipvs {
+                "real server"
+            } else {
+                "chain"
+            }
+        )?,
     }
-    show_service(out, &bed, nft, &chains.cluster)?;
+    if mode == ProxyMode::Ipvs {
+        for l in ipvs::virtual_server(&bed, cip)? {
+            writeln!(out, "   {l}")?;
+        }
+    } else {
+        show_service(out, &bed, nft, &chains.cluster)?;
+    }
     let report = bed.probe(&bed.client, &ProbeArgs::tcp(cip).with_count(100))?;
     writeln!(out, "   100 new connections: {}", summary(&report))?;
     if !report.names().contains_key(&new_name) {
         writeln!(out, "   (the new endpoint {new_name} got none of them)")?;
     }
+    if mode == ProxyMode::Ipvs {
+        writeln!(
+            out,
+            "   rr splits them exactly; the real servers already there are not touched (iptables mode rewrites the Service's chain with new probabilities)"
+        )?;
+    }
 
     writeln!(out, "\n4. Scale to 0 endpoints")?;
     write_manifests(dir, &web(&[]))?;
-    if nft {
-        let has_reject = || rules(&bed, true).unwrap_or_default().contains("goto reject-chain");
-        if poll(Duration::from_secs(10), has_reject).is_some() {
-            for l in rules(&bed, true)?.lines().filter(|l| l.contains("reject")) {
-                writeln!(out, "   nft: {}", l.trim())?;
+    match mode {
+        ProxyMode::Nftables => {
+            let has_reject = || rules(&bed, true).unwrap_or_default().contains("goto reject-chain");
+            if poll(CHANGE_TIMEOUT, has_reject).is_some() {
+                for l in rules(&bed, true)?.lines().filter(|l| l.contains("reject")) {
+                    writeln!(out, "   nft: {}", l.trim())?;
+                }
             }
         }
-    } else {
-        let reject = format!("{SERVICE} has no endpoints");
-        let filter = || bed.node.exec_ok("iptables-save", ["-t", "filter"]).unwrap_or_default();
-        if poll(Duration::from_secs(10), || filter().contains(&reject)).is_some() {
-            for l in filter().lines().filter(|l| l.contains(&reject)) {
-                writeln!(out, "   filter: {l}")?;
+        ProxyMode::Iptables => {
+            let reject = format!("{SERVICE} has no endpoints");
+            let filter = || bed.node.exec_ok("iptables-save", ["-t", "filter"]).unwrap_or_default();
+            if poll(CHANGE_TIMEOUT, || filter().contains(&reject)).is_some() {
+                for l in filter().lines().filter(|l| l.contains(&reject)) {
+                    writeln!(out, "   filter: {l}")?;
+                }
             }
         }
+        ProxyMode::Ipvs => show_ipvs_no_endpoints(out, &bed, cip)?,
     }
     let report = bed.probe(&bed.client, &ProbeArgs::tcp(cip).with_count(3).with_timeout_ms(2000))?;
     for a in &report.attempts {
@@ -276,22 +353,31 @@ fn run(binary: &Path, mode: ProxyMode, dir: &Path, connections: u32, out: &mut i
             a.elapsed_us as f64 / 1000.0
         )?;
     }
+    if mode == ProxyMode::Ipvs {
+        writeln!(
+            out,
+            "   no REJECT rule here: with no real server to schedule, IPVS itself answers ICMP port unreachable (iptables mode rejects in the filter table)"
+        )?;
+    }
 
     writeln!(out, "\n5. The NodePort from the outside host")?;
     write_manifests(dir, &web(&eps(&bed)))?;
-    poll(Duration::from_secs(10), || {
-        rules(&bed, nft).is_ok_and(|n| n.contains(&bed.endpoint(0).server_addr().to_string()))
-    });
-    let n = rules(&bed, nft)?;
-    let external = if nft {
-        "external-".to_string()
+    let first = bed.endpoint(0).server_addr();
+    poll(CHANGE_TIMEOUT, || serving(&bed, mode, cip, first));
+    if mode == ProxyMode::Ipvs {
+        show_ipvs_node_port(out, &bed)?;
     } else {
-        format!("-A {} ", chains.external)
-    };
-    for l in n.lines().filter(|l| {
-        l.starts_with("-A KUBE-NODEPORTS") || l.contains(&external) || (nft && l.contains(&NODE_PORT.to_string()))
-    }) {
-        writeln!(out, "   {}", l.trim())?;
+        let n = rules(&bed, nft)?;
+        let external = if nft {
+            "external-".to_string()
+        } else {
+            format!("-A {} ", chains.external)
+        };
+        for l in n.lines().filter(|l| {
+            l.starts_with("-A KUBE-NODEPORTS") || l.contains(&external) || (nft && l.contains(&NODE_PORT.to_string()))
+        }) {
+            writeln!(out, "   {}", l.trim())?;
+        }
     }
     let outside = bed.outside_ips()[0];
     let np = SocketAddr::new(bed.node_ip(), NODE_PORT);
@@ -304,25 +390,152 @@ fn run(binary: &Path, mode: ProxyMode, dir: &Path, connections: u32, out: &mut i
         seen.join(", ")
     )?;
 
-    writeln!(
-        out,
-        "\n6. A few conntrack entries in the node namespace (the DNAT mapping)"
-    )?;
-    match bed
-        .node
-        .exec("conntrack", ["-L", "-p", "tcp", "--orig-dst", CLUSTER_IP])
-    {
-        Ok(o) if o.status.success() => {
-            for l in String::from_utf8_lossy(&o.stdout).lines().take(4) {
-                writeln!(out, "   {l}")?;
-            }
+    if mode == ProxyMode::Ipvs {
+        writeln!(
+            out,
+            "\n6. A few entries of IPVS's own connection table in the node namespace (ipvsadm -Lnc)"
+        )?;
+        for l in ipvs::connections(&bed, cip, 4)? {
+            writeln!(out, "   {l}")?;
         }
-        _ => writeln!(out, "   (conntrack is not installed: apt-get install -y conntrack)")?,
+        writeln!(
+            out,
+            "   IPVS keeps its own table (which connection went to which real server, and TIME_WAIT for 2 min); with net.ipv4.vs.conntrack=1 conntrack tracks them too, for the masquerade"
+        )?;
+    } else {
+        writeln!(
+            out,
+            "\n6. A few conntrack entries in the node namespace (the DNAT mapping)"
+        )?;
+        match bed
+            .node
+            .exec("conntrack", ["-L", "-p", "tcp", "--orig-dst", CLUSTER_IP])
+        {
+            Ok(o) if o.status.success() => {
+                for l in String::from_utf8_lossy(&o.stdout).lines().take(4) {
+                    writeln!(out, "   {l}")?;
+                }
+            }
+            _ => writeln!(out, "   (conntrack is not installed: apt-get install -y conntrack)")?,
+        }
     }
 
+    let id = bed.id().to_string();
     drop(daemon);
     drop(bed);
-    writeln!(out, "\nDone: the namespaces and processes of the lab are removed.")?;
+    // Checked, not assumed: the report's last line is a promise.
+    let left = leftover_namespaces(&id)?;
+    if !left.is_empty() {
+        bail!("namespaces of the lab left behind: {}", left.join(", "));
+    }
+    writeln!(
+        out,
+        "\nDone: the namespaces and processes of the lab are removed (`ip netns list` shows none named {id}-*)."
+    )?;
+    Ok(())
+}
+
+/// The lab's namespaces that still exist (`ip netns list`, names starting with `id-`).
+fn leftover_namespaces(id: &str) -> Result<Vec<String>> {
+    let listed = Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .context("running `ip netns list`")?;
+    let prefix = format!("{id}-");
+    Ok(String::from_utf8_lossy(&listed.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|n| n.starts_with(&prefix))
+        .map(str::to_string)
+        .collect())
+}
+
+/// Whether the mode's dataplane sends new connections to `ep` now: its DNAT is in the rules
+/// (iptables, nftables), or it is a real server with a weight (IPVS; weight 0 takes none).
+fn serving(bed: &Testbed, mode: ProxyMode, vip: SocketAddr, ep: SocketAddr) -> bool {
+    match mode {
+        ProxyMode::Ipvs => ipvs::real_servers(bed, vip).is_ok_and(|rs| rs.iter().any(|r| r.addr == ep && r.weight > 0)),
+        _ => rules(bed, mode == ProxyMode::Nftables).is_ok_and(|n| n.contains(&ep.to_string())),
+    }
+}
+
+/// Section 1 in IPVS mode: the virtual server, the address on `kube-ipvs0`, the sysctls.
+fn show_ipvs_service(out: &mut impl Write, bed: &Testbed, vip: SocketAddr) -> Result<()> {
+    for l in ipvs::virtual_server(bed, vip)? {
+        writeln!(out, "   {l}")?;
+    }
+    match ipvs::dummy_address(bed, CLUSTER_IP)? {
+        Some(l) => writeln!(out, "   ip addr: {l}")?,
+        None => writeln!(out, "   ip addr: {CLUSTER_IP} is NOT on kube-ipvs0")?,
+    }
+    writeln!(
+        out,
+        "   sysctls in the node's namespace: {}",
+        ipvs::sysctls(bed)?.join(" ")
+    )?;
+    writeln!(
+        out,
+        "   No per-endpoint rule: the endpoints are the real servers of a virtual server in the kernel's IPVS table (Masq: DNAT), and the scheduler (rr) picks one per new connection. The ClusterIP sits on the dummy link kube-ipvs0 (left down) so that the node takes its packets in; iptables only marks what needs masquerading."
+    )?;
+    Ok(())
+}
+
+/// Section 2 in IPVS mode: whether rr took the endpoints in turn.
+fn print_turns(out: &mut impl Write, report: &ProbeReport, endpoints: usize) -> Result<()> {
+    let names: Vec<&str> = report.attempts.iter().filter_map(|a| a.name.as_deref()).collect();
+    let head: Vec<&str> = names.iter().take(2 * endpoints).copied().collect();
+    writeln!(out, "   the first answers in order: {} ...", head.join(" "))?;
+    if ipvs::in_turn(&names, endpoints) {
+        writeln!(
+            out,
+            "   rr: every connection went to the next endpoint in turn, so the split is exact (iptables mode picks each endpoint at random)"
+        )?;
+    } else {
+        writeln!(
+            out,
+            "   NOT in strict turn: rr should take the {endpoints} endpoints one after another"
+        )?;
+    }
+    Ok(())
+}
+
+/// Section 4 in IPVS mode: waits until no real server takes new connections, then shows the
+/// virtual server left and what graceful termination keeps.
+fn show_ipvs_no_endpoints(out: &mut impl Write, bed: &Testbed, vip: SocketAddr) -> Result<()> {
+    let idle = || ipvs::real_servers(bed, vip).is_ok_and(|rs| rs.iter().all(|r| r.weight == 0));
+    if poll(CHANGE_TIMEOUT, idle).is_none() {
+        writeln!(out, "   real servers still take connections after {CHANGE_TIMEOUT:?}")?;
+    }
+    for l in ipvs::virtual_server(bed, vip)? {
+        writeln!(out, "   {l}")?;
+    }
+    let draining = ipvs::real_servers(bed, vip)?.len();
+    if draining > 0 {
+        writeln!(
+            out,
+            "   the virtual server stays; {draining} real servers stay at weight 0 (no new connections) until the kernel counts none of their connections, closed ones in TIME_WAIT included (2 min): graceful termination, as upstream's IPVS mode"
+        )?;
+    } else {
+        writeln!(out, "   the virtual server stays, without real servers")?;
+    }
+    Ok(())
+}
+
+/// Section 5 in IPVS mode: the NodePort's virtual servers and the iptables rule that marks
+/// NodePort traffic for masquerading.
+fn show_ipvs_node_port(out: &mut impl Write, bed: &Testbed) -> Result<()> {
+    let vs = ipvs::virtual_servers_on_port(bed, NODE_PORT)?;
+    for l in &vs {
+        writeln!(out, "   {l}")?;
+    }
+    writeln!(
+        out,
+        "   IPVS matches exact addresses: one virtual server per NodePort address ({} here; iptables mode matches any local address with one rule)",
+        vs.len()
+    )?;
+    for l in bed_nat(bed)?.lines().filter(|l| l.starts_with("-A KUBE-NODE-PORT ")) {
+        writeln!(out, "   nat: {l}")?;
+    }
     Ok(())
 }
 
