@@ -1,14 +1,16 @@
 //! Benchmark: build the model and render the full iptables ruleset for large clusters.
 //! Run with `cargo bench --bench render`; prints one line per size (median of several runs):
 //! the time to convert the cluster's objects into the daemon's store (done once, as objects
-//! arrive), to build one family's state from the store (done on every sync), and to render.
+//! arrive), to build one family's state from the store from scratch (the first sync), to
+//! build it again after one endpoint change (every later sync: only the changed Service is
+//! merged again), and to render.
 
 use std::time::{Duration, Instant};
 
 use kube_proxy::config::LocalDetector;
 use kube_proxy::iptables::{RenderOptions, render};
 use kube_proxy::manifest::Objects;
-use kube_proxy::model::{IpFamily, ProxyState, Store, synthetic};
+use kube_proxy::model::{IpFamily, ProxyState, StateBuilder, Store, store, synthetic};
 
 /// The synthetic state as the Services and EndpointSlices that describe it.
 fn objects(state: &ProxyState) -> Objects {
@@ -51,17 +53,18 @@ fn main() {
         ..RenderOptions::default()
     };
     println!(
-        "{:<22} {:>12} {:>12} {:>12} {:>12} {:>12}",
-        "services x endpoints", "convert p50", "state p50", "render p50", "lines", "bytes"
+        "{:<22} {:>12} {:>12} {:>12} {:>12} {:>12} {:>12}",
+        "services x endpoints", "convert p50", "state p50", "1 change p50", "render p50", "lines", "bytes"
     );
     for (s, e) in [(1_000, 10), (10_000, 10), (44_000, 1), (5_000, 50)] {
         let st = synthetic::state(s, e);
         let objs = objects(&st);
         let mut convert = Vec::new();
         let mut build = Vec::new();
-        for _ in 0..5 {
+        let mut change = Vec::new();
+        for round in 0..5 {
             let t = Instant::now();
-            let store = Store::from_objects(&objs, &st.node.name);
+            let mut store = Store::from_objects(&objs, &st.node.name);
             convert.push(t.elapsed());
             let t = Instant::now();
             let built = store.state(&st.node, IpFamily::V4);
@@ -70,6 +73,18 @@ fn main() {
                 built.service_ports, st.service_ports,
                 "the objects describe the synthetic state"
             );
+            // One endpoint of one Service changes: the next build merges that Service only.
+            let mut builder = StateBuilder::new(IpFamily::V4);
+            builder.build(&store, &st.node);
+            let mut changed = objs.endpoint_slices[round * 7 % objs.endpoint_slices.len()].clone();
+            changed.endpoints[0].addresses[0] = "10.255.255.254".into();
+            let name = store::object_name(&changed.metadata);
+            store.slices.insert(name, store::slice_entry(&changed, &st.node.name));
+            let t = Instant::now();
+            let rebuilt = builder.build(&store, &st.node);
+            change.push(t.elapsed());
+            let moved = rebuilt.service_ports.iter().flat_map(|s| &s.endpoints);
+            assert!(moved.into_iter().any(|e| e.ip.to_string() == "10.255.255.254"));
         }
         drop(objs);
         let mut times: Vec<Duration> = Vec::new();
@@ -83,10 +98,11 @@ fn main() {
             bytes = rs.restore.len();
         }
         println!(
-            "{:<22} {:>10.1}ms {:>10.1}ms {:>10.1}ms {:>12} {:>12}",
+            "{:<22} {:>10.1}ms {:>10.1}ms {:>10.1}ms {:>10.1}ms {:>12} {:>12}",
             format!("{s} x {e}"),
             median(convert),
             median(build),
+            median(change),
             median(times),
             lines,
             bytes

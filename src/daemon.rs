@@ -31,7 +31,7 @@ use crate::ipvs::proxier::IpvsProxier;
 use crate::ipvs::render::IpvsRenderOptions;
 use crate::kube_source::ApiSource;
 use crate::metrics::Metrics;
-use crate::model::{IpFamily, NodeInfo, ProxyState, Store};
+use crate::model::{IpFamily, NodeInfo, ProxyState, StateBuilder, Store};
 use crate::nftables::{self, proxier::NftProxier};
 use crate::source::{self, ManifestSource};
 
@@ -164,6 +164,8 @@ impl Dataplane {
 struct FamilyProxier {
     family: IpFamily,
     proxier: Dataplane,
+    /// Re-merges only the Services that changed since the last sync.
+    states: StateBuilder,
     /// A sync of this family is due (a change arrived, or the last attempt failed).
     pending: bool,
 }
@@ -235,6 +237,7 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
             Ok(FamilyProxier {
                 family,
                 proxier: Dataplane::new(cfg, family, &Store::default())?,
+                states: StateBuilder::new(family),
                 pending: true,
             })
         })
@@ -558,7 +561,7 @@ fn ensure_route_localnet(cfg: &ProxyConfig, objects: &Store) {
 /// whether the failed sync was a full one.
 fn sync_family(cfg: &ProxyConfig, p: &mut FamilyProxier, objects: &Store) -> Result<(ProxyState, SyncReport), bool> {
     let node = app::node_info_from(&objects.nodes, cfg);
-    let state = objects.state(&node, p.family);
+    let state = p.states.build(objects, &node);
     for w in &state.warnings {
         warn!(ip_family = %p.family, "{w}");
     }

@@ -98,7 +98,10 @@ pub fn endpoints_by_service_port(
     entries.sort_by(|a, b| a.key.cmp(&b.key));
     let mut merged = EndpointMerge::default();
     for entry in &entries {
-        merged.add(entry, family, warnings);
+        if entry.reported_in(family) {
+            warnings.extend(entry.warnings.iter().cloned());
+        }
+        merged.add(entry, family);
     }
     merged.finish()
 }
@@ -304,10 +307,7 @@ pub struct EndpointMerge {
 
 impl EndpointMerge {
     /// Adds `entry`'s endpoints to the ports of its Service, if it is of `family`.
-    pub fn add(&mut self, entry: &SliceEntry, family: IpFamily, warnings: &mut Vec<String>) {
-        if entry.reported_in(family) {
-            warnings.extend(entry.warnings.iter().cloned());
-        }
+    pub fn add(&mut self, entry: &SliceEntry, family: IpFamily) {
         let (Some((namespace, service)), Some(f)) = (&entry.service, entry.family) else {
             return;
         };
