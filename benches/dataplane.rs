@@ -190,6 +190,7 @@ fn opts() -> RenderOptions {
 fn unique_node_ports(state: &mut ProxyState) {
     let mut next: u32 = 30000;
     for sps in &mut state.service_ports {
+        let sps = std::sync::Arc::make_mut(sps);
         if sps.port.node_port != 0 {
             if next <= 32767 {
                 sps.port.node_port = next as u16;
@@ -441,7 +442,7 @@ fn latency_state(services: usize, endpoints: usize, real: &[IpAddr], node_ip: Ip
     let mut state = synthetic::state(services, endpoints);
     unique_node_ports(&mut state);
     state.node.addresses = vec![node_ip];
-    let last = state.service_ports.last_mut().expect("at least one Service");
+    let last = std::sync::Arc::make_mut(state.service_ports.last_mut().expect("at least one Service"));
     let mut eps: Vec<Endpoint> = real
         .iter()
         .map(|ip| Endpoint {

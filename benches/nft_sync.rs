@@ -157,7 +157,7 @@ fn change(current: &mut ProxyState, round: usize, endpoints: usize) {
             .take(1),
     );
     eps.sort_by_key(|e| e.to_string());
-    current.service_ports[idx].endpoints = eps;
+    std::sync::Arc::make_mut(&mut current.service_ports[idx]).endpoints = eps;
 }
 
 fn main() {

@@ -74,14 +74,14 @@ fn main() {
                 "the objects describe the synthetic state"
             );
             // One endpoint of one Service changes: the next build merges that Service only.
-            let mut builder = StateBuilder::new(IpFamily::V4);
-            builder.build(&store, &st.node);
+            let mut builder = StateBuilder::new();
+            builder.build(&store, &st.node, IpFamily::V4);
             let mut changed = objs.endpoint_slices[round * 7 % objs.endpoint_slices.len()].clone();
             changed.endpoints[0].addresses[0] = "10.255.255.254".into();
             let name = store::object_name(&changed.metadata);
             store.slices.insert(name, store::slice_entry(&changed, &st.node.name));
             let t = Instant::now();
-            let rebuilt = builder.build(&store, &st.node);
+            let rebuilt = builder.build(&store, &st.node, IpFamily::V4);
             change.push(t.elapsed());
             let moved = rebuilt.service_ports.iter().flat_map(|s| &s.endpoints);
             assert!(moved.into_iter().any(|e| e.ip.to_string() == "10.255.255.254"));

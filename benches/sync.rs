@@ -119,7 +119,7 @@ fn main() {
         eps.pop();
         eps.extend(changed.endpoints);
         eps.sort_by_key(|e| e.to_string());
-        current.service_ports[idx].endpoints = eps;
+        std::sync::Arc::make_mut(&mut current.service_ports[idx]).endpoints = eps;
         let t = Instant::now();
         let r = proxier.sync(&current).expect("partial sync");
         times.push(t.elapsed());

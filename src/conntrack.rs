@@ -1163,7 +1163,7 @@ mod tests {
         let state = ProxyState {
             family: IpFamily::V4,
             node: NodeInfo::default(),
-            service_ports: vec![
+            service_ports: crate::model::shared(vec![
                 ServicePortState {
                     port: udp,
                     endpoints: vec![
@@ -1180,7 +1180,7 @@ mod tests {
                     port: empty,
                     endpoints: vec![not_serving],
                 },
-            ],
+            ]),
             service_cidrs: vec![],
             warnings: vec![],
         };

@@ -164,8 +164,6 @@ impl Dataplane {
 struct FamilyProxier {
     family: IpFamily,
     proxier: Dataplane,
-    /// Re-merges only the Services that changed since the last sync.
-    states: StateBuilder,
     /// A sync of this family is due (a change arrived, or the last attempt failed).
     pending: bool,
 }
@@ -237,12 +235,13 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
             Ok(FamilyProxier {
                 family,
                 proxier: Dataplane::new(cfg, family, &Store::default())?,
-                states: StateBuilder::new(family),
                 pending: true,
             })
         })
         .collect::<anyhow::Result<_>>()?;
 
+    // Re-merges only the Services that changed since the last sync (both families).
+    let mut states_builder = StateBuilder::new();
     let mut last_sync: Option<Instant> = None;
     let mut retry_at: Option<Instant> = None;
     let mut next_check = Instant::now() + cfg.sync_period;
@@ -312,7 +311,7 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
         let mut states = Vec::new();
         for p in proxiers.iter_mut().filter(|p| p.pending) {
             p.proxier.set_options(cfg, p.family, current);
-            match sync_family(cfg, p, current) {
+            match sync_family(cfg, p, current, &mut states_builder) {
                 Ok((state, report)) => {
                     telemetry.synced(p.family, &report);
                     p.pending = false;
@@ -559,9 +558,14 @@ fn ensure_route_localnet(cfg: &ProxyConfig, objects: &Store) {
 
 /// One sync of one family: its state and report, or (on failure, retried as a full sync)
 /// whether the failed sync was a full one.
-fn sync_family(cfg: &ProxyConfig, p: &mut FamilyProxier, objects: &Store) -> Result<(ProxyState, SyncReport), bool> {
+fn sync_family(
+    cfg: &ProxyConfig,
+    p: &mut FamilyProxier,
+    objects: &Store,
+    builder: &mut StateBuilder,
+) -> Result<(ProxyState, SyncReport), bool> {
     let node = app::node_info_from(&objects.nodes, cfg);
-    let state = p.states.build(objects, &node);
+    let state = builder.build(objects, &node, p.family);
     for w in &state.warnings {
         warn!(ip_family = %p.family, "{w}");
     }

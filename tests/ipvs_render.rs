@@ -294,6 +294,7 @@ fn ipvs_kernel_accepts_every_ruleset() {
         .expect("scenario");
     let mut st = state.clone();
     for sp in &mut st.service_ports {
+        let sp = std::sync::Arc::make_mut(sp);
         if !sp.port.load_balancer_source_ranges.is_empty() {
             sp.port
                 .load_balancer_source_ranges

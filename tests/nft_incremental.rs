@@ -83,7 +83,7 @@ fn state(seed: u64) -> ProxyState {
             addresses: vec![IpAddr::V4(Ipv4Addr::new(192, 168, 49, 2))],
             ..NodeInfo::default()
         },
-        service_ports: ports,
+        service_ports: kube_proxy::model::shared(ports),
         service_cidrs: vec!["10.96.0.0/16".parse().expect("cidr")],
         warnings: vec![],
     }

@@ -109,7 +109,7 @@ fn state() -> impl Strategy<Value = ProxyState> {
                 addresses: vec!["192.0.2.10".parse().unwrap()],
                 pod_cidrs: vec![],
             },
-            service_ports,
+            service_ports: kube_proxy::model::shared(service_ports),
             service_cidrs: vec![],
             warnings: vec![],
         })
@@ -191,10 +191,10 @@ proptest! {
         let state = ProxyState {
             family: IpFamily::V4,
             node: NodeInfo { name: "node-a".into(), ..NodeInfo::default() },
-            service_ports: vec![ServicePortState {
+            service_ports: kube_proxy::model::shared(vec![ServicePortState {
                 port: ServicePort::cluster_ip(name, "10.96.0.1".parse().unwrap(), 80),
                 endpoints: eps,
-            }],
+            }]),
             service_cidrs: vec![], warnings: vec![],
         };
         let opts = RenderOptions { local_detector: LocalDetector::None, ..RenderOptions::default() };

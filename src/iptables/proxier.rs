@@ -10,6 +10,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::exec::{ExecError, Iptables};
@@ -61,7 +62,7 @@ pub struct SyncReport {
 }
 
 struct CachedService {
-    state: ServicePortState,
+    state: Arc<ServicePortState>,
     fragment: ServiceFragment,
 }
 
@@ -661,7 +662,7 @@ mod tests {
         assert_eq!(text.matches(":KUBE-SEP-").count(), 2500);
         // The next change is a partial --noflush restore again.
         let mut fewer = st.clone();
-        fewer.service_ports[0].endpoints.pop();
+        Arc::make_mut(&mut fewer.service_ports[0]).endpoints.pop();
         let r = p.sync(&fewer).unwrap();
         assert!(!r.full && r.deleted_chains == 1);
         assert_eq!(p.iptables().restores.len(), 1);

@@ -822,10 +822,10 @@ mod tests {
                 name: "n".into(),
                 ..NodeInfo::default()
             },
-            service_ports: vec![ServicePortState {
+            service_ports: crate::model::shared(vec![ServicePortState {
                 port: ServicePort::cluster_ip(name, "10.96.0.1".parse().unwrap(), 80),
                 endpoints,
-            }],
+            }]),
             service_cidrs: vec![],
             warnings: vec![],
         }

@@ -858,7 +858,7 @@ mod tests {
                 addresses: vec![ip("192.168.49.2")],
                 ..NodeInfo::default()
             },
-            service_ports: ports,
+            service_ports: crate::model::shared(ports),
             service_cidrs: vec![],
             warnings: vec![],
         }

@@ -1048,7 +1048,7 @@ mod tests {
                 addresses: node_ips.iter().map(|s| ip(s)).collect(),
                 ..NodeInfo::default()
             },
-            service_ports,
+            service_ports: crate::model::shared(service_ports),
             service_cidrs: vec![],
             warnings: vec![],
         }

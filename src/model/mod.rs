@@ -16,6 +16,7 @@ mod types;
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::Node;
@@ -126,13 +127,20 @@ impl ServicePortState {
     }
 }
 
+/// Service ports as a state holds them (tests and benchmarks build them as values).
+pub fn shared(ports: Vec<ServicePortState>) -> Vec<Arc<ServicePortState>> {
+    ports.into_iter().map(Arc::new).collect()
+}
+
 /// Everything a dataplane needs to program one IP family.
 #[derive(Clone, Debug)]
 pub struct ProxyState {
     pub family: IpFamily,
     pub node: NodeInfo,
     /// Service ports sorted by `ns/name:port` and protocol, so that rendering is deterministic.
-    pub service_ports: Vec<ServicePortState>,
+    /// Shared: the state builder, the state and a proxier's record of what it programmed hold
+    /// the same unchanged ports (one copy of 10^5 endpoints, not three).
+    pub service_ports: Vec<Arc<ServicePortState>>,
     /// ServiceCIDRs of this family (nftables mode uses them; iptables mode ignores them, as upstream).
     pub service_cidrs: Vec<IpNet>,
     pub warnings: Vec<String>,

@@ -78,7 +78,7 @@ impl Store {
     /// The state of `family` as the node `node` programs it: service ports sorted by name and
     /// protocol, each with its endpoints merged from all slices of its Service.
     pub fn state(&self, node: &NodeInfo, family: IpFamily) -> ProxyState {
-        StateBuilder::new(family).build(self, node)
+        StateBuilder::new().build(self, node, family)
     }
 
     /// What changed from `old` to `self`, object by object.
@@ -110,55 +110,90 @@ impl Store {
 /// sync after one endpoint change costs that Service, not the cluster (at 10k × 10, 82 ms
 /// for a whole build; see `cargo bench --bench render`).
 pub struct StateBuilder {
-    family: IpFamily,
     /// The snapshot of the previous build (its entries are shared, not copied).
     last: Store,
-    /// Per Service, in name order: its service ports with merged endpoints, and the warnings
-    /// found merging them.
-    services: BTreeMap<ObjectName, (Vec<ServicePortState>, Vec<String>)>,
-    /// The slices of each Service, by the Service they name.
-    slices_of: HashMap<ObjectName, BTreeSet<ObjectName>>,
+    /// The slices of each Service (sorted), by the Service they name. A `Vec`: most Services
+    /// have one slice, and a set would allocate a whole tree node for it.
+    slices_of: HashMap<ObjectName, Vec<ObjectName>>,
+    /// IPv4, then IPv6.
+    families: [FamilyCache; 2],
+}
+
+/// What the builder keeps for one family.
+#[derive(Default)]
+struct FamilyCache {
+    /// Per Service with ports in this family, in name order: its service ports with merged
+    /// endpoints, and the warnings found merging them.
+    services: BTreeMap<ObjectName, (Vec<Arc<ServicePortState>>, Vec<String>)>,
+    /// Services changed since this family was last built.
+    dirty: BTreeSet<ObjectName>,
+}
+
+impl Default for StateBuilder {
+    fn default() -> Self {
+        StateBuilder::new()
+    }
 }
 
 impl StateBuilder {
-    pub fn new(family: IpFamily) -> StateBuilder {
+    pub fn new() -> StateBuilder {
         StateBuilder {
-            family,
             last: Store::default(),
-            services: BTreeMap::new(),
             slices_of: HashMap::new(),
+            families: [FamilyCache::default(), FamilyCache::default()],
         }
     }
 
-    /// The state of `store` as the node `node` programs it (see [`Store::state`]).
-    pub fn build(&mut self, store: &Store, node: &NodeInfo) -> ProxyState {
-        let family = self.family;
+    /// Notes which Services changed from the previous snapshot to `store`, for every family.
+    fn advance(&mut self, store: &Store) {
         let mut dirty: BTreeSet<ObjectName> = changed_keys(&self.last.services, &store.services)
             .into_iter()
             .cloned()
             .collect();
-        for key in changed_keys(&self.last.slices, &store.slices) {
+        let changed_slices = changed_keys(&self.last.slices, &store.slices);
+        if dirty.is_empty() && changed_slices.is_empty() {
+            // Also the second family's build after the first one's.
+            return;
+        }
+        for key in changed_slices {
             if let Some(svc) = self.last.slices.get(key).and_then(|s| s.service.as_ref()) {
                 dirty.insert(svc.clone());
-                if let Some(set) = self.slices_of.get_mut(svc) {
-                    set.remove(key);
-                    if set.is_empty() {
+                if let Some(list) = self.slices_of.get_mut(svc) {
+                    if let Ok(i) = list.binary_search(key) {
+                        list.remove(i);
+                    }
+                    if list.is_empty() {
                         self.slices_of.remove(svc);
                     }
                 }
             }
             if let Some(svc) = store.slices.get(key).and_then(|s| s.service.as_ref()) {
                 dirty.insert(svc.clone());
-                self.slices_of.entry(svc.clone()).or_default().insert(key.clone());
+                let list = self.slices_of.entry(svc.clone()).or_default();
+                if let Err(i) = list.binary_search(key) {
+                    list.reserve_exact(1);
+                    list.insert(i, key.clone());
+                }
             }
         }
-        for svc in dirty {
-            let Some(entry) = store.services.get(&svc) else {
-                self.services.remove(&svc);
+        for cache in &mut self.families {
+            cache.dirty.extend(dirty.iter().cloned());
+        }
+        self.last = store.clone();
+    }
+
+    /// The state of `family` in `store` as the node `node` programs it (see [`Store::state`]).
+    pub fn build(&mut self, store: &Store, node: &NodeInfo, family: IpFamily) -> ProxyState {
+        self.advance(store);
+        let cache = &mut self.families[usize::from(family == IpFamily::V6)];
+        for svc in std::mem::take(&mut cache.dirty) {
+            let ports = store.services.get(&svc).map_or(&[][..], |e| e.ports(family));
+            if ports.is_empty() {
+                cache.services.remove(&svc);
                 continue;
-            };
+            }
             let mut warnings = Vec::new();
-            let mut ports = entry.ports(family).to_vec();
+            let mut ports = ports.to_vec();
             sort_and_dedup(&mut ports, &mut warnings);
             let mut merge = EndpointMerge::default();
             for slice in self.slices_of.get(&svc).into_iter().flatten() {
@@ -167,16 +202,15 @@ impl StateBuilder {
                 }
             }
             let mut endpoints = merge.finish();
-            let states = ports
-                .into_iter()
-                .map(|port| ServicePortState {
+            let mut states = Vec::with_capacity(ports.len());
+            for port in ports {
+                states.push(Arc::new(ServicePortState {
                     endpoints: endpoints.remove(&port.name).unwrap_or_default(),
                     port,
-                })
-                .collect();
-            self.services.insert(svc, (states, warnings));
+                }));
+            }
+            cache.services.insert(svc, (states, warnings));
         }
-        self.last = store.clone();
 
         let mut warnings = store.warnings.clone();
         for entry in store.services.values() {
@@ -186,8 +220,8 @@ impl StateBuilder {
             warnings.extend(entry.warnings.iter().cloned());
         }
         // Names sort by namespace, then name: Services in name order give ports in order.
-        let mut service_ports = Vec::with_capacity(self.services.values().map(|(p, _)| p.len()).sum());
-        for (ports, merge_warnings) in self.services.values() {
+        let mut service_ports = Vec::with_capacity(cache.services.values().map(|(p, _)| p.len()).sum());
+        for (ports, merge_warnings) in cache.services.values() {
             service_ports.extend(ports.iter().cloned());
             warnings.extend(merge_warnings.iter().cloned());
         }
@@ -381,14 +415,16 @@ mod tests {
         }
 
         /// The state as the whole-cluster functions compute it from k8s objects.
-        fn reference(objects: &Objects, node: &NodeInfo) -> Vec<ServicePortState> {
+        fn reference(objects: &Objects, node: &NodeInfo) -> Vec<Arc<ServicePortState>> {
             let mut warnings = Vec::new();
             let mut eps = endpoints_by_service_port(&objects.endpoint_slices, IpFamily::V4, &node.name, &mut warnings);
             service_ports(&objects.services, IpFamily::V4, &mut warnings)
                 .into_iter()
-                .map(|port| ServicePortState {
-                    endpoints: eps.remove(&port.name).unwrap_or_default(),
-                    port,
+                .map(|port| {
+                    Arc::new(ServicePortState {
+                        endpoints: eps.remove(&port.name).unwrap_or_default(),
+                        port,
+                    })
                 })
                 .collect()
         }
@@ -400,7 +436,7 @@ mod tests {
             fn incremental_builds_equal_whole_builds(steps in proptest::collection::vec((0u8..2, 0u8..6, 0u8..12, any::<bool>()), 1..30)) {
                 let node = NodeInfo { name: "node-a".into(), ..NodeInfo::default() };
                 let mut present: BTreeMap<(u8, u8), String> = BTreeMap::new();
-                let mut builder = StateBuilder::new(IpFamily::V4);
+                let mut builder = StateBuilder::new();
                 for (kind, n, variant, remove) in steps {
                     let n = if kind == 0 { n % 4 } else { n };
                     if remove {
@@ -412,7 +448,7 @@ mod tests {
                     let text = present.values().cloned().collect::<Vec<_>>().join("---\n");
                     crate::manifest::load_str(std::path::Path::new("p.yaml"), &text, &mut objects).expect("parses");
                     let store = Store::from_objects(&objects, "node-a");
-                    let built = builder.build(&store, &node);
+                    let built = builder.build(&store, &node, IpFamily::V4);
                     prop_assert_eq!(&built.service_ports, &reference(&objects, &node));
                     let fresh = store.state(&node, IpFamily::V4);
                     prop_assert_eq!(&built.warnings, &fresh.warnings);

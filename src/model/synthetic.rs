@@ -17,7 +17,7 @@ pub fn state(services: usize, endpoints: usize) -> ProxyState {
             addresses: vec!["192.168.0.2".parse().unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST))],
             ..NodeInfo::default()
         },
-        service_ports,
+        service_ports: service_ports.into_iter().map(std::sync::Arc::new).collect(),
         service_cidrs: vec![],
         warnings: vec![],
     }

@@ -33,7 +33,7 @@ pub fn state(mut ports: Vec<ServicePortState>, service_cidrs: &[&str]) -> ProxyS
             name: "node-a".into(),
             ..NodeInfo::default()
         },
-        service_ports: ports,
+        service_ports: crate::model::shared(ports),
         service_cidrs: service_cidrs.iter().filter_map(|c| c.parse().ok()).collect(),
         warnings: vec![],
     }

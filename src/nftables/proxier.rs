@@ -220,7 +220,7 @@ impl ServiceObjects {
 /// What the kernel holds after the last successful transaction.
 struct Applied {
     renderer: ServiceRenderer,
-    services: HashMap<ServicePortName, ServicePortState>,
+    services: HashMap<ServicePortName, Arc<ServicePortState>>,
     /// Every element owned by a service port, with its owners (the last one by name wins,
     /// as in a full render where later ports overwrite earlier ones).
     elements: HashMap<(String, ElemKey), Owners>,
@@ -229,15 +229,20 @@ struct Applied {
 }
 
 /// The service ports that put one element into a set, sorted by name, with the element each
-/// wants. Almost always one: a sorted `Vec` costs a fraction of a `BTreeMap`'s node, which
-/// matters at 10^5 elements.
+/// wants. Almost always one: a sorted `Vec` costs a fraction of a `BTreeMap`'s node, and an
+/// owner is the (shared) state of its port rather than a copy of its name, which matters at
+/// 10^5 elements.
 #[derive(Default)]
-struct Owners(Vec<(ServicePortName, Element)>);
+struct Owners(Vec<(Arc<ServicePortState>, Element)>);
 
 impl Owners {
-    fn insert(&mut self, owner: &ServicePortName, element: Element) {
-        match self.0.binary_search_by(|(n, _)| n.cmp(owner)) {
-            Ok(i) => self.0[i].1 = element,
+    fn find(&self, owner: &ServicePortName) -> Result<usize, usize> {
+        self.0.binary_search_by(|(o, _)| o.port.name.cmp(owner))
+    }
+
+    fn insert(&mut self, owner: &Arc<ServicePortState>, element: Element) {
+        match self.find(&owner.port.name) {
+            Ok(i) => self.0[i] = (owner.clone(), element),
             Err(i) => {
                 // Exactly one slot for the usual single owner (`push` would reserve four).
                 self.0.reserve_exact(1);
@@ -247,7 +252,7 @@ impl Owners {
     }
 
     fn remove(&mut self, owner: &ServicePortName) {
-        if let Ok(i) = self.0.binary_search_by(|(n, _)| n.cmp(owner)) {
+        if let Ok(i) = self.find(owner) {
             self.0.remove(i);
         }
     }
@@ -376,7 +381,7 @@ impl NftProxier {
             elements: HashMap::new(),
             stale_chains: BTreeMap::new(),
         };
-        let mut order: Vec<&ServicePortState> = state.service_ports.iter().collect();
+        let mut order: Vec<&Arc<ServicePortState>> = state.service_ports.iter().collect();
         // Stable: the rest keeps the model's order.
         order.sort_by_key(|s| !is_priority(&s.port.name));
 
@@ -393,7 +398,7 @@ impl NftProxier {
                 let objs = ServiceObjects::from_ops(applied.renderer.service(sps).ops);
                 ops +=
                     objs.chains.iter().map(|(_, r)| r.len() + 2).sum::<usize>() + objs.elements.len() + objs.sets.len();
-                plan_service(&mut plan, &mut applied, &sps.port.name, None, Some(objs));
+                plan_service(&mut plan, &mut applied, sps, None, Some(objs));
                 applied.services.insert(sps.port.name.clone(), (*sps).clone());
                 rest = tail;
                 // The priority services go together, whatever the bound.
@@ -446,7 +451,7 @@ impl NftProxier {
                 plan.udp_endpoints_removed |= o.loses_udp_endpoints_to(sps);
             }
             let new_objs = ServiceObjects::from_ops(applied.renderer.service(sps).ops);
-            plan_service(&mut plan, applied, name, old_objs, Some(new_objs));
+            plan_service(&mut plan, applied, sps, old_objs, Some(new_objs));
             if was_new {
                 // Counted as kept from now on: it is in `applied.services` below.
                 kept += 1;
@@ -465,7 +470,7 @@ impl NftProxier {
                 if let Some(old) = applied.services.remove(&name) {
                     plan.udp_endpoints_removed |= old.port.protocol == Protocol::Udp;
                     let old_objs = ServiceObjects::from_ops(applied.renderer.service(&old).ops);
-                    plan_service(&mut plan, applied, &name, Some(old_objs), None);
+                    plan_service(&mut plan, applied, &old, Some(old_objs), None);
                 }
             }
         }
@@ -518,7 +523,7 @@ fn is_priority(name: &ServicePortName) -> bool {
 fn plan_service(
     plan: &mut Plan,
     applied: &mut Applied,
-    owner: &ServicePortName,
+    owner: &Arc<ServicePortState>,
     old: Option<ServiceObjects>,
     new: Option<ServiceObjects>,
 ) {
@@ -568,7 +573,7 @@ fn plan_service(
         let k = (set, element.key);
         remember_effective(plan, applied, &k);
         if let Some(owners) = applied.elements.get_mut(&k) {
-            owners.remove(owner);
+            owners.remove(&owner.port.name);
             if owners.0.is_empty() {
                 applied.elements.remove(&k);
             }

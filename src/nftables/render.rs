@@ -907,7 +907,7 @@ mod tests {
                 addresses: vec!["192.168.0.2".parse().unwrap()],
                 ..NodeInfo::default()
             },
-            service_ports,
+            service_ports: crate::model::shared(service_ports),
             service_cidrs: vec!["172.30.0.0/16".parse().unwrap()],
             warnings: vec![],
         }

@@ -749,13 +749,13 @@ mod tests {
                 addresses: vec![NODE_IP.parse().unwrap()],
                 ..NodeInfo::default()
             },
-            service_ports: vec![
+            service_ports: crate::model::shared(vec![
                 sps(svc1, vec![ep("10.180.0.1"), ep("10.180.0.2"), ep("10.180.0.3")]),
                 sps(svc2, vec![]),
                 sps(svc3, vec![ep("10.180.0.4")]),
                 sps(svc4, vec![ep("10.180.0.7"), ep("10.180.0.8")]),
                 sps(svc5, vec![ep("10.180.0.5")]),
-            ],
+            ]),
             service_cidrs: vec!["172.30.0.0/16".parse().unwrap()],
             warnings: vec![],
         }
@@ -1029,10 +1029,10 @@ mod tests {
         st.family = IpFamily::V6;
         st.node.addresses = vec!["fd00:1::2".parse().unwrap()];
         st.service_cidrs = vec![];
-        st.service_ports = vec![ServicePortState {
+        st.service_ports = crate::model::shared(vec![ServicePortState {
             port: ServicePort::cluster_ip(name("ns1", "v6"), "fd00:96::1".parse().unwrap(), 80),
             endpoints: vec![Endpoint::ready("fd00:10::1".parse().unwrap(), 8080)],
-        }];
+        }]);
         let mut o = opts();
         o.local_detector = LocalDetector::Cidr("fd00:10::/64".into());
         let rs = ruleset_of(&st, &o);
@@ -1050,10 +1050,10 @@ mod tests {
         let mut udp = ServicePort::cluster_ip(name("ns9", "dns"), "172.30.0.10".parse().unwrap(), 53);
         udp.protocol = Protocol::Udp;
         udp.name.protocol = Protocol::Udp;
-        st.service_ports.push(ServicePortState {
+        st.service_ports.push(std::sync::Arc::new(ServicePortState {
             port: udp,
             endpoints: vec![Endpoint::ready("10.180.0.53".parse().unwrap(), 53)],
-        });
+        }));
         let rs = ruleset_of(&st, &opts());
         let mut p = pkt("10.1.2.3", "172.30.0.10", 53, Some("cni0"));
         p.protocol = Protocol::Udp;
