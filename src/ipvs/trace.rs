@@ -32,7 +32,7 @@ use std::net::{IpAddr, SocketAddr};
 
 use ipnet::IpNet;
 
-use super::render::{IpvsRuleset, IpvsService};
+use super::render::{IpvsDestination, IpvsRuleset, IpvsService};
 use crate::iptables::Ruleset;
 use crate::iptables::trace::{
     AfterHook, Hook, Packet, PathState, SetDim, SetLookup, SetValue, Step, Trace, TraceContext, TraceError, Tracer,
@@ -181,12 +181,7 @@ impl Walk<'_> {
             return Ok(vec![AfterHook::GoesOn(st)]);
         };
         // The schedulers skip real servers of weight 0 (draining ones).
-        let eligible: Vec<SocketAddr> = vs
-            .destinations
-            .iter()
-            .filter(|d| d.weight > 0)
-            .map(|d| SocketAddr::new(d.address, d.port))
-            .collect();
+        let eligible: Vec<&IpvsDestination> = vs.destinations.iter().filter(|d| d.weight > 0).collect();
         if eligible.is_empty() {
             let what = if vs.destinations.is_empty() {
                 "no real servers"
@@ -209,24 +204,20 @@ impl Walk<'_> {
             port: vs.port,
         };
         let mut out = Vec::new();
-        for (i, dest) in eligible.iter().enumerate() {
+        for (i, d) in eligible.iter().enumerate() {
             if i > 0 {
                 self.tracer.fork()?;
             }
+            let dest = SocketAddr::new(d.address, d.port);
             let mut s = st.clone();
-            let weight = vs
-                .destinations
-                .iter()
-                .find(|d| SocketAddr::new(d.address, d.port) == *dest)
-                .map_or(0, |d| d.weight);
             s.rules
-                .push(step(hook, format!("{} -> {dest} Masq {weight}", vs.ipvsadm_line())));
+                .push(step(hook, format!("{} -> {dest} Masq {}", vs.ipvsadm_line(), d.weight)));
             if eligible.len() > 1 {
-                s.choices.push(schedule_choice(vs, dest, eligible.len()));
+                s.choices.push(schedule_choice(vs, &dest, eligible.len()));
             }
             s.dst = dest.ip();
             s.dport = dest.port();
-            s.dnat = Some(*dest);
+            s.dnat = Some(dest);
             s.ipvs = Some(virtual_service);
             out.push(AfterHook::GoesOn(s));
         }
@@ -269,10 +260,18 @@ pub struct Ipsets {
 #[derive(Debug)]
 struct Set {
     kind: SetKind,
-    /// Hash sets hold one family; bitmap sets have none.
-    family: Option<IpFamily>,
+    options: CreateOptions,
     /// One entry per `add`, a part per dimension.
     members: Vec<Vec<Part>>,
+}
+
+/// What a `create` line says besides the name and type.
+#[derive(Debug)]
+struct CreateOptions {
+    /// Hash sets hold one family (inet unless told); bitmap sets have none.
+    family: Option<IpFamily>,
+    /// The ports a bitmap set can hold.
+    range: Option<(u16, u16)>,
 }
 
 /// One part of an entry.
@@ -352,8 +351,6 @@ impl Ipsets {
     /// set created twice, an entry of the wrong family, a port outside a bitmap's range).
     pub fn parse(input: &str) -> Result<Ipsets, TraceError> {
         let mut sets: HashMap<String, Set> = HashMap::new();
-        // The declared range of each bitmap set.
-        let mut ranges: HashMap<String, (u16, u16)> = HashMap::new();
         for (i, raw) in input.lines().enumerate() {
             let text = raw.trim();
             let err = |reason: String| TraceError::Ipset {
@@ -371,15 +368,12 @@ impl Ipsets {
                     if sets.contains_key(*name) {
                         return Err(err(format!("set {name} is created twice")));
                     }
-                    let (family, range) = create_options(kind, options).map_err(err)?;
-                    if let Some(range) = range {
-                        ranges.insert(name.to_string(), range);
-                    }
+                    let options = create_options(kind, options).map_err(err)?;
                     sets.insert(
                         name.to_string(),
                         Set {
                             kind,
-                            family,
+                            options,
                             members: Vec::new(),
                         },
                     );
@@ -388,8 +382,8 @@ impl Ipsets {
                     let set = sets
                         .get_mut(*name)
                         .ok_or_else(|| err(format!("set {name} is added to before it is created")))?;
-                    let member = parse_entry(set.kind, set.family, entry).map_err(err)?;
-                    if let Some(&(lo, hi)) = ranges.get(*name) {
+                    let member = parse_entry(set.kind, set.options.family, entry).map_err(err)?;
+                    if let Some((lo, hi)) = set.options.range {
                         for p in &member {
                             if let Part::Ports { lo: a, hi: b, .. } = p
                                 && (*a < lo || *b > hi)
@@ -400,7 +394,9 @@ impl Ipsets {
                     }
                     set.members.push(member);
                 }
-                ["add", ..] => return Err(err("entry options are not traced".to_string())),
+                ["add", _, _, _, ..] => return Err(err("entry options are not traced".to_string())),
+                ["add", ..] => return Err(err("add needs a set and an entry".to_string())),
+                ["create", ..] => return Err(err("create needs a set name and a type".to_string())),
                 _ => return Err(err("only create and add lines are traced".to_string())),
             }
         }
@@ -408,8 +404,9 @@ impl Ipsets {
     }
 }
 
-/// The family of a hash set (inet unless told) and the range of a bitmap set.
-fn create_options(kind: SetKind, options: &[&str]) -> Result<(Option<IpFamily>, Option<(u16, u16)>), String> {
+/// The options of a `create` line: `family`, `hashsize` and `maxelem` for hash sets, `range`
+/// for bitmap sets.
+fn create_options(kind: SetKind, options: &[&str]) -> Result<CreateOptions, String> {
     let bitmap = kind == SetKind::BitmapPort;
     let mut family = (!bitmap).then_some(IpFamily::V4);
     let mut range = None;
@@ -434,7 +431,7 @@ fn create_options(kind: SetKind, options: &[&str]) -> Result<(Option<IpFamily>, 
     if bitmap && range.is_none() {
         return Err("bitmap:port needs a range".to_string());
     }
-    Ok((family, range))
+    Ok(CreateOptions { family, range })
 }
 
 fn kind_name(kind: SetKind) -> &'static str {
@@ -522,7 +519,7 @@ impl SetLookup for Ipsets {
         // A hash set of the other family never matches (the set match checks the family).
         let other_family = key
             .iter()
-            .any(|v| matches!((v, set.family), (SetValue::Addr(a), Some(f)) if !f.contains(a)));
+            .any(|v| matches!((v, set.options.family), (SetValue::Addr(a), Some(f)) if !f.contains(a)));
         if other_family {
             return false;
         }
@@ -543,7 +540,7 @@ mod tests {
     use super::*;
     use crate::config::LocalDetector;
     use crate::iptables::trace::render_text;
-    use crate::ipvs::render::{IpvsDestination, IpvsRenderOptions, render};
+    use crate::ipvs::render::{IpvsRenderOptions, render};
     use crate::model::{Endpoint, NodeInfo, ProxyState, ServicePort, ServicePortName, ServicePortState};
 
     const NODE_IP: &str = "192.168.0.2";
@@ -638,6 +635,8 @@ add SIX fd00::1,sctp:3868
             ("create X hash:ip,port\nadd X 10.0.0.1\n", 2, "parts"),
             ("create X hash:net\nadd X 10.0.0.0/8 nomatch\n", 2, "entry options"),
             ("flush X\n", 1, "only create and add"),
+            ("create X\n", 1, "a set name and a type"),
+            ("create X hash:ip\nadd X\n", 2, "a set and an entry"),
         ];
         for (input, line, why) in cases {
             match Ipsets::parse(input) {
