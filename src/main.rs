@@ -863,7 +863,7 @@ fn render(cfg: &ProxyConfig, args: RenderArgs) -> anyhow::Result<ExitCode> {
 }
 
 fn trace_cmd(cfg: &ProxyConfig, args: TraceArgs) -> anyhow::Result<ExitCode> {
-    if cfg.mode != ProxyMode::Nftables {
+    if !matches!(cfg.mode, ProxyMode::Nftables | ProxyMode::Ipvs) {
         require_iptables(cfg)?;
     }
     let protocol = Protocol::from_api(&args.protocol.to_ascii_uppercase()).with_context(|| {
@@ -899,6 +899,19 @@ fn trace_cmd(cfg: &ProxyConfig, args: TraceArgs) -> anyhow::Result<ExitCode> {
             local_addresses: local_addresses(&state),
         };
         kube_proxy::nftables::trace::trace(&table, &ctx, &packet)?
+    } else if cfg.mode == ProxyMode::Ipvs {
+        // The virtual servers, ipsets and rules of the full sync that `render` prints.
+        let node = app::node_info(&objects, cfg);
+        let state = kube_proxy::model::build_state(&objects, &node, family);
+        let opts = kube_proxy::ipvs::render::IpvsRenderOptions::from_config(cfg, family, &node);
+        let rendered = kube_proxy::ipvs::render::render(&state, &opts);
+        for w in state.warnings.iter().chain(&rendered.warnings) {
+            eprintln!("warning: {w}");
+        }
+        let ctx = TraceContext {
+            local_addresses: local_addresses(&state),
+        };
+        kube_proxy::ipvs::trace::trace(&rendered, &ctx, &packet)?
     } else {
         let rendered = app::render_iptables(&objects, cfg, &[family]);
         let fr = rendered.first().context("no ruleset rendered")?;

@@ -516,3 +516,171 @@ proptest! {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// The IPVS tracer against the iptables tracer
+
+/// The IPVS options matching iptables mode's `opts` (what both modes read).
+fn ipvs_options(opts: &RenderOptions) -> kube_proxy::ipvs::render::IpvsRenderOptions {
+    kube_proxy::ipvs::render::IpvsRenderOptions {
+        masquerade_all: opts.masquerade_all,
+        masquerade_bit: opts.masquerade_bit,
+        local_detector: opts.local_detector.clone(),
+        node_port_addresses: opts.node_port_addresses.clone(),
+        prefer_same_node: opts.prefer_same_node,
+        ..Default::default()
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, .. ProptestConfig::default() })]
+
+    /// The IPVS renderer traced by the IPVS tracer and the iptables renderer traced by the
+    /// iptables tracer agree on what a new connection does (verdict, endpoints, masquerade),
+    /// except where upstream's IPVS mode differs on purpose, each exception asserted as IPVS
+    /// mode's own behaviour:
+    /// - loopback destinations: no localhost NodePorts (no virtual server on loopback);
+    /// - an address on kube-ipvs0 (ClusterIP, externalIP, LB IP) on a protocol and port that
+    ///   is no virtual server: KUBE-IPVS-FILTER rejects what iptables mode lets pass;
+    /// - the external addresses of an externalTrafficPolicy Local Service: the virtual server
+    ///   has the local endpoints, or the cluster ones when the node has none (no DROP), for
+    ///   every client (no short-circuit of pod and node traffic to every endpoint), and the
+    ///   node's own connections are not masqueraded;
+    /// - a ClusterIP of an internalTrafficPolicy Local Service without local endpoints: the
+    ///   virtual server falls back to the cluster endpoints when the Service also has external
+    ///   addresses (which need them), and has none otherwise (REJECT), where iptables drops;
+    /// - a disallowed source to an LB IP with loadBalancerSourceRanges whose Service has no
+    ///   endpoints at all: filter INPUT drops it before IPVS could refuse it (iptables has no
+    ///   firewall chain then and rejects);
+    /// - a node address outside nodePortAddresses: no virtual server there, so IPVS passes
+    ///   what iptables' no-endpoint rules (`addrtype LOCAL`) reject or drop;
+    /// - a connection from the node to an external or LB IP without endpoints: IPVS refuses it
+    ///   at LOCAL_OUT, iptables' REJECT rules for those are not on the output path (PASS);
+    /// - the node to a firewalled LB IP: IPVS mode only stops it when it leaves with the VIP
+    ///   as its source (KUBE-IPVS-OUT-FILTER), so with a node address it gets through;
+    /// - hairpin: KUBE-LOOP-BACK holds only this node's endpoints, so a remote endpoint
+    ///   reaching itself through this node is not masqueraded;
+    /// - any local address (kube-ipvs0's, or a node address outside nodePortAddresses) on a
+    ///   port that is also a TCP or UDP NodePort: KUBE-SERVICES sends every local destination
+    ///   to KUBE-NODE-PORT, whose port-only set marks it for masquerade;
+    /// - a loopback source: KUBE-SERVICES returns at once, so nothing is marked;
+    /// - destinations claimed by two Services (see [`ambiguous`]) are not compared.
+    #[test]
+    fn ipvs_and_iptables_traces_agree(
+        state in nft_state(),
+        opts in nft_options(),
+        choices in prop::collection::vec(packet_choice(), 1..16),
+    ) {
+        use kube_proxy::iptables::render::{NodePortAddresses, local_addresses};
+        use kube_proxy::iptables::trace::{TraceContext, trace};
+        use kube_proxy::ipvs::names::SetId;
+        use kube_proxy::ipvs::{render::render as ipvs_render, trace::trace as ipvs_trace};
+        use kube_proxy::model::categorize_endpoints;
+
+        let ipt_rules = render(&state, &opts);
+        let ipvs_rules = ipvs_render(&state, &ipvs_options(&opts));
+        let ctx = TraceContext { local_addresses: local_addresses(&state) };
+        let node_addresses: Vec<IpAddr> = state.node.addresses.clone();
+        let npa = NodePortAddresses::new(state.family, &opts.node_port_addresses, state.node.primary_ip(state.family));
+        let nodeport_ips = if npa.match_all() { node_addresses.clone() } else { npa.node_ips(&node_addresses) };
+        for c in &choices {
+            let p = packet_of(&state, c);
+            let node_dst = ctx.local_addresses.contains(&p.dst);
+            if ambiguous(&state, &p, node_dst) {
+                continue;
+            }
+            let ipt = trace(&ipt_rules, &ctx, &p).map_err(|e| TestCaseError::fail(format!("iptables: {e}")))?;
+            let ipvs = ipvs_trace(&ipvs_rules, &ctx, &p).map_err(|e| TestCaseError::fail(format!("ipvs: {e}")))?;
+            let (iv, pv) = (common_verdict(ipt.verdict), common_verdict(ipvs.verdict));
+            let why = format!("{p:?}\niptables: {ipt:#?}\nipvs: {ipvs:#?}");
+
+            if p.dst.is_loopback() {
+                prop_assert_eq!(pv, "PASS", "no localhost NodePorts: {}", why);
+                continue;
+            }
+            let bound = ipvs_rules.bound_addresses.contains(&p.dst);
+            let server = ipvs_rules.virtual_server(p.protocol, p.dst, p.dport);
+            // Health-check node ports are accepted on every local address (the set holds
+            // bare ports).
+            let health_check = ipvs_rules
+                .ipset(SetId::HealthCheckNodePort)
+                .is_some_and(|s| s.entries.contains(&p.dport.to_string()));
+            if bound && server.is_none() && !health_check {
+                prop_assert_eq!((iv, pv), ("PASS", "REJECT"), "no virtual server on a kube-ipvs0 address: {}", why);
+                continue;
+            }
+            // The Service whose virtual server the packet meets, if any.
+            let svc = server.and_then(|vs| state.service_ports.iter().find(|s| s.port.name == vs.service));
+            let external = svc.is_some_and(|s| s.port.cluster_ip != p.dst);
+            if let (Some(s), Some(vs)) = (svc, server) {
+                let node = &state.node;
+                let sets = categorize_endpoints(&s.endpoints, &s.port, &node.name, node.zone(), opts.prefer_same_node);
+                let policy_local = if external { s.port.external_policy_local } else { s.port.internal_policy_local };
+                if policy_local && (external || sets.local.is_empty()) {
+                    // What IPVS mode schedules to: the local endpoints, else the cluster ones.
+                    let chosen = if sets.local.is_empty() { &sets.cluster } else { &sets.local };
+                    let mut want: Vec<String> = chosen.iter().map(|e| e.to_string()).collect();
+                    want.sort();
+                    want.dedup();
+                    let mut got: Vec<String> = vs
+                        .destinations
+                        .iter()
+                        .map(|d| std::net::SocketAddr::new(d.address, d.port).to_string())
+                        .collect();
+                    got.sort();
+                    prop_assert_eq!(&got, &want, "real servers of a Local policy: {}", why);
+                    if pv == "DNAT" {
+                        prop_assert_eq!(&ipvs.endpoints, &want, "Local policy endpoints: {}", why);
+                    } else {
+                        prop_assert!(matches!(pv, "DROP" | "REJECT"), "Local policy: {}", why);
+                    }
+                    continue;
+                }
+                let firewalled =
+                    !s.port.load_balancer_source_ranges.is_empty() && s.port.load_balancer_vips.contains(&p.dst);
+                if firewalled && !sets.has_any && (iv, pv) == ("REJECT", "DROP") {
+                    continue;
+                }
+                if firewalled && ipt.from_node && (iv, pv) == ("DROP", "DNAT") {
+                    continue;
+                }
+                if external && ipt.from_node && vs.destinations.is_empty() {
+                    prop_assert_eq!(pv, "REJECT", "the node to an external address without endpoints: {}", why);
+                    continue;
+                }
+            }
+            if node_dst && !nodeport_ips.contains(&p.dst) {
+                prop_assert!(ipvs.endpoints.is_empty() && ipt.endpoints.is_empty(), "not a NodePort address: {}", why);
+                if iv != pv {
+                    prop_assert!(matches!((iv, pv), ("REJECT" | "DROP", "PASS")), "not a NodePort address: {}", why);
+                    continue;
+                }
+            }
+            prop_assert_eq!(iv, pv, "verdict: {}", why);
+            prop_assert_eq!(&ipt.endpoints, &ipvs.endpoints, "endpoints: {}", why);
+            if ipt.masquerade != ipvs.masquerade {
+                let remote_endpoint = state
+                    .service_ports
+                    .iter()
+                    .flat_map(|s| &s.endpoints)
+                    .any(|e| e.ip == p.src && !e.is_local)
+                    && ipt.endpoints.iter().any(|e| e.starts_with(&format!("{}:", p.src)));
+                // The TCP and UDP NodePort sets hold bare ports (SCTP's hold node addresses).
+                let node_port = |local: bool| {
+                    state.service_ports.iter().any(|s| {
+                        let svc = &s.port;
+                        svc.protocol == p.protocol && svc.node_port == p.dport && svc.external_policy_local == local
+                    })
+                };
+                let node_port_number = (bound || node_dst)
+                    && matches!(p.protocol, Protocol::Tcp | Protocol::Udp)
+                    && node_port(false)
+                    && !node_port(true);
+                let hairpin = ipt.masquerade && remote_endpoint;
+                let nodeport_mark = ipvs.masquerade && node_port_number;
+                let loopback_src = p.src.is_loopback() && !ipvs.masquerade;
+                prop_assert!(hairpin || nodeport_mark || loopback_src, "masquerade: {}", why);
+            }
+        }
+    }
+}

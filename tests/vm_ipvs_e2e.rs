@@ -26,7 +26,9 @@
 //! - sh (`--ipvs-scheduler=sh`, the daemon restarted): every client address sticks to one
 //!   endpoint;
 //! - `--cleanup` removes the virtual servers, `kube-ipvs0` and the ipsets;
-//! - all along, someone else's virtual server on the node's address stays as it was.
+//! - all along, someone else's virtual server on the node's address stays as it was;
+//! - `trace --proxy-mode=ipvs` over the daemon's manifests agrees with where the traffic of
+//!   the NodePort, zero-endpoint and source-range checks went (verdict, endpoints, masquerade).
 
 #[path = "support/vm.rs"]
 mod vm;
@@ -49,7 +51,7 @@ fn ipvs_e2e_in_vm() {
 mod in_vm {
     use std::collections::BTreeMap;
     use std::io::{BufRead, BufReader, Read, Write};
-    use std::net::{SocketAddr, TcpStream};
+    use std::net::{IpAddr, SocketAddr, TcpStream};
     use std::path::{Path, PathBuf};
     use std::time::{Duration, Instant};
 
@@ -225,6 +227,55 @@ mod in_vm {
 
         fn probe(&self, from: &kube_proxy::lab::netns::Netns, args: &ProbeArgs) -> ProbeReport {
             self.bed.probe(from, args).expect("probe runs")
+        }
+
+        /// What `kube-proxy trace --proxy-mode=ipvs` says of a new connection over the
+        /// daemon's manifests (pure: run outside the test bed).
+        fn trace(&self, from: IpAddr, to: SocketAddr) -> Traced {
+            trace_manifests(&self.dir.0, from, to)
+        }
+    }
+
+    /// A trace's verdict, endpoints (sorted as strings) and masquerade.
+    #[derive(Debug, PartialEq)]
+    struct Traced {
+        verdict: String,
+        endpoints: Vec<String>,
+        masquerade: bool,
+    }
+
+    impl Traced {
+        fn new(verdict: &str, endpoints: &[IpAddr], masquerade: bool) -> Traced {
+            let mut endpoints: Vec<String> = endpoints.iter().map(|ip| format!("{ip}:8080")).collect();
+            endpoints.sort();
+            Traced {
+                verdict: verdict.to_string(),
+                endpoints,
+                masquerade,
+            }
+        }
+    }
+
+    fn trace_manifests(dir: &Path, from: IpAddr, to: SocketAddr) -> Traced {
+        let out = std::process::Command::new(BIN)
+            .args([
+                "trace", "--proxy-mode=ipvs", "--hostname-override=node-a", "--cluster-cidr=10.244.0.0/16",
+            ])
+            .arg(dir)
+            .arg(format!("--from={from}"))
+            .arg(format!("--to={to}"))
+            .arg("--output=json")
+            .output()
+            .expect("kube-proxy trace runs");
+        assert!(out.status.success(), "trace: {}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("trace prints JSON");
+        Traced {
+            verdict: v["verdict"].as_str().unwrap_or_default().to_string(),
+            endpoints: v["endpoints"]
+                .as_array()
+                .map(|a| a.iter().filter_map(|e| e.as_str()).map(str::to_string).collect())
+                .unwrap_or_default(),
+            masquerade: v["masquerade"] == true,
         }
     }
 
@@ -463,6 +514,12 @@ mod in_vm {
             !seen.contains(&outside) && seen.iter().all(|s| s.to_string().starts_with("10.244.")),
             "masqueraded to a node address: {seen:?}"
         );
+        let all: Vec<IpAddr> = bed.endpoints().iter().map(|e| e.ip).collect();
+        assert_eq!(
+            node.trace(outside, SocketAddr::new(bed.node_ip(), WEB_NODE_PORT)),
+            Traced::new("DNAT", &all, true),
+            "trace agrees: every endpoint, masqueraded"
+        );
         // Local policy: only the local endpoint, and the client's own address.
         let r = node.probe(
             &bed.outside,
@@ -477,6 +534,11 @@ mod in_vm {
             "local endpoint only"
         );
         assert_eq!(r.seen_sources().into_iter().collect::<Vec<_>>(), vec![outside]);
+        assert_eq!(
+            node.trace(outside, SocketAddr::new(bed.node_ip(), LOCAL_NODE_PORT)),
+            Traced::new("DNAT", &[bed.endpoint(0).ip], false),
+            "trace agrees: the local endpoint, not masqueraded"
+        );
         println!("NodePort: cluster policy masqueraded, Local policy keeps {outside}");
     }
 
@@ -494,6 +556,11 @@ mod in_vm {
             );
             assert!(a.elapsed_us < 500_000, "at once: {a:?}");
         }
+        assert_eq!(
+            node.trace(node.bed.client_ip(), sa(EMPTY, 80)),
+            Traced::new("REJECT", &[], false),
+            "trace agrees: refused by IPVS itself"
+        );
     }
 
     /// An endpoint reaching its own Service lands on itself masqueraded (KUBE-LOOP-BACK), or
@@ -535,6 +602,16 @@ mod in_vm {
             denied.errors(),
             BTreeMap::from([("timeout".to_string(), 2)]),
             "other source dropped"
+        );
+        assert_eq!(
+            node.trace(allowed, lb),
+            Traced::new("DNAT", &[bed.endpoint(0).ip], true),
+            "trace agrees: allowed"
+        );
+        assert_eq!(
+            node.trace(other, lb),
+            Traced::new("DROP", &[], false),
+            "trace agrees: dropped"
         );
     }
 

@@ -8,6 +8,11 @@
 //!
 //! It is deliberately strict: any option it does not model is a [`TraceError`], because a
 //! tracer that silently skips a match answers with confidence and is wrong.
+//!
+//! The IPVS-mode tracer (`crate::ipvs::trace`) walks the same parsed rules with its own hook
+//! order (IPVS sits in LOCAL_IN and LOCAL_OUT): it loads them with `load`, supplies the
+//! ipsets that `-m set --match-set` looks up through [`SetLookup`], and runs one hook at a time
+//! with `Tracer::run_hook`; the walk state and the report assembly are shared.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt::{self, Write as _};
@@ -39,6 +44,46 @@ pub struct Packet {
 pub struct TraceContext {
     /// The node's own addresses; loopback (127.0.0.0/8, ::1) always counts as local too.
     pub local_addresses: Vec<IpAddr>,
+}
+
+/// What one dimension of an ipset is keyed on: an address (`ip`, and `net`, which is matched
+/// by an address too) or a port with its protocol.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SetDim {
+    Addr,
+    Port,
+}
+
+/// One element of the key a `-m set --match-set NAME src,dst,...` rule builds from the packet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SetValue {
+    Addr(IpAddr),
+    Port(Protocol, u16),
+}
+
+/// The ipsets that `-m set --match-set` rules look up. The tracer knows the match; the sets
+/// come from the caller (IPVS mode's `ipset restore` input, see `crate::ipvs::trace`), because
+/// they are programmed apart from the iptables rules.
+pub trait SetLookup {
+    /// The dimensions of set `name` (`hash:ip,port` is `[Addr, Port]`), or `None` when there
+    /// is no such set.
+    fn dimensions(&self, name: &str) -> Option<&'static [SetDim]>;
+    /// Whether set `name` holds `key`, which has one value per dimension.
+    fn contains(&self, name: &str, key: &[SetValue]) -> bool;
+}
+
+/// No ipsets at all: iptables mode creates none, so a rule naming one is an error, as it
+/// would be for `iptables-restore`.
+pub struct NoSets;
+
+impl SetLookup for NoSets {
+    fn dimensions(&self, _name: &str) -> Option<&'static [SetDim]> {
+        None
+    }
+
+    fn contains(&self, _name: &str, _key: &[SetValue]) -> bool {
+        false
+    }
 }
 
 /// Where a packet (or one path of it) ends up.
@@ -193,6 +238,19 @@ pub enum TraceError {
     /// The walk forks into more than [`MAX_PATHS`] paths.
     #[error("the trace forks into more than {limit} paths")]
     TooManyPaths { limit: usize },
+    /// A restore rule matches an ipset that the caller did not supply (`iptables-restore`
+    /// refuses such a rule too), or uses it in a way the tracer does not model.
+    #[error("restore line {line}: ipset {set}: {reason}: `{rule}`")]
+    Set {
+        line: usize,
+        set: String,
+        rule: String,
+        reason: String,
+    },
+    /// A line of the `ipset restore` input is malformed or uses something the tracer does not
+    /// model (a set type, option or entry syntax).
+    #[error("ipset restore line {line}: `{text}`: {reason}")]
+    Ipset { line: usize, text: String, reason: String },
     /// A packet address is not of the ruleset's IP family.
     #[error("packet address {address} is not {family} like the ruleset")]
     FamilyMismatch { family: IpFamily, address: IpAddr },
@@ -208,60 +266,56 @@ pub enum TraceError {
 
 /// Follows `packet` through `ruleset` and reports every path it can take.
 pub fn trace(ruleset: &Ruleset, ctx: &TraceContext, packet: &Packet) -> Result<Trace, TraceError> {
-    for address in [packet.src, packet.dst] {
-        if !ruleset.family.contains(&address) {
-            return Err(TraceError::FamilyMismatch {
-                family: ruleset.family,
-                address,
-            });
-        }
-    }
-    let tables = load(ruleset)?;
-    let mut tracer = Tracer {
-        tables: &tables,
-        ctx,
-        forks: 1,
-    };
-    let local_src = tracer.is_local(&packet.src);
-    let start = PathState {
-        src: packet.src,
-        dst: packet.dst,
-        dport: packet.dport,
-        protocol: packet.protocol,
-        // Locally generated packets have no input interface.
-        in_interface: if local_src { None } else { packet.in_interface.clone() },
-        mark: 0,
-        dnat: None,
-        masquerade: false,
-        accepted: false,
-        recent: BTreeMap::new(),
-        rules: Vec::new(),
-        choices: Vec::new(),
-        hooks: Vec::new(),
-        verdict: Verdict::Pass,
-    };
-    let first = if local_src {
+    check_family(ruleset.family, packet)?;
+    let tables = load(ruleset, &NoSets)?;
+    let mut tracer = Tracer::new(&tables, &NoSets, &ctx.local_addresses);
+    let from_node = tracer.is_local(&packet.src);
+    let first = if from_node {
         Hook::NatOutput
     } else {
         Hook::NatPrerouting
     };
     let mut finished = Vec::new();
-    tracer.walk(first, start, local_src, &mut finished)?;
+    tracer.walk(first, PathState::start(packet, from_node), from_node, &mut finished)?;
+    Ok(finish(&tables, finished, from_node))
+}
 
-    // Identical rule sequences are the same path reached twice; keep the first.
+/// Both addresses of the packet must be of the ruleset's family.
+pub(crate) fn check_family(family: IpFamily, packet: &Packet) -> Result<(), TraceError> {
+    for address in [packet.src, packet.dst] {
+        if !family.contains(&address) {
+            return Err(TraceError::FamilyMismatch { family, address });
+        }
+    }
+    Ok(())
+}
+
+/// Turns the finished paths of a walk into the report.
+pub(crate) fn finish(tables: &Tables, mut finished: Vec<PathState>, from_node: bool) -> Trace {
+    // Identical step sequences are the same path reached twice; keep the first.
     let mut seen = HashSet::new();
     finished.retain(|p| seen.insert(p.rules.clone()));
 
     let mut rules = Vec::new();
     let mut paths = Vec::new();
     for (index, p) in finished.iter().enumerate() {
-        for r in &p.rules {
-            let chain = &tables[r.table].chains[r.chain];
-            rules.push(TracedRule {
-                table: TABLE_NAMES[r.table].to_string(),
-                chain: chain.name.clone(),
-                rule: chain.rules[r.rule].text.clone(),
-                path: index,
+        for step in &p.rules {
+            rules.push(match step {
+                Step::Rule(r) => {
+                    let chain = &tables[r.table].chains[r.chain];
+                    TracedRule {
+                        table: TABLE_NAMES[r.table].to_string(),
+                        chain: chain.name.clone(),
+                        rule: chain.rules[r.rule].text.clone(),
+                        path: index,
+                    }
+                }
+                Step::Other { table, chain, text } => TracedRule {
+                    table: (*table).to_string(),
+                    chain: (*chain).to_string(),
+                    rule: text.clone(),
+                    path: index,
+                },
             });
         }
         paths.push(TracePath {
@@ -272,7 +326,7 @@ pub fn trace(ruleset: &Ruleset, ctx: &TraceContext, packet: &Packet) -> Result<T
             hooks: p.hooks.iter().map(|h| h.to_string()).collect(),
         });
     }
-    Ok(Trace::from_paths(rules, paths, local_src))
+    Trace::from_paths(rules, paths, from_node)
 }
 
 /// Renders a trace for humans: the packet, each path's matched rules and outcome, a summary.
@@ -337,7 +391,10 @@ const BUILTINS: [&[&str]; 2] = [
     &["PREROUTING", "INPUT", "OUTPUT", "POSTROUTING"],
 ];
 
-struct Table {
+/// The filter and nat tables, indexed by `FILTER` and `NAT`, as `load` parses them.
+pub(crate) type Tables = [Table; 2];
+
+pub(crate) struct Table {
     chains: Vec<Chain>,
     index: HashMap<String, usize>,
 }
@@ -469,6 +526,35 @@ enum Match {
     RecentSet {
         name: String,
     },
+    /// `-m set --match-set NAME src,dst,...`: one direction per flag, `true` for `src`.
+    Set {
+        name: String,
+        src: Vec<bool>,
+        neg: bool,
+    },
+    /// `-m physdev --physdev-is-in`: the packet came in through a bridge port (seen by
+    /// iptables with br_netfilter). The input interface alone does not say whether it was
+    /// bridged, so a packet that has one forks: bridged and not.
+    PhysdevIsIn {
+        neg: bool,
+    },
+    /// `-m ipvs --vaddr`: the packet belongs to an IPVS connection whose virtual address is in
+    /// the CIDR. Like every option of the ipvs match but `--ipvs`, it never matches a packet
+    /// that IPVS has not handled, negated or not.
+    IpvsVaddr {
+        cidr: Cidr,
+        neg: bool,
+    },
+    /// `-m ipvs --vproto`.
+    IpvsVproto {
+        protocol: Protocol,
+        neg: bool,
+    },
+    /// `-m ipvs --vport`.
+    IpvsVport {
+        port: u16,
+        neg: bool,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -533,7 +619,9 @@ struct PendingRule {
     parsed: ParsedRule,
 }
 
-fn load(ruleset: &Ruleset) -> Result<[Table; 2], TraceError> {
+/// Parses the restore input and the jump rules of `ruleset`; every set a rule matches must be
+/// in `sets`.
+pub(crate) fn load(ruleset: &Ruleset, sets: &dyn SetLookup) -> Result<Tables, TraceError> {
     let family = ruleset.family;
     let mut tables = [Table::new(FILTER), Table::new(NAT)];
     let mut pending = Vec::new();
@@ -649,10 +737,16 @@ fn load(ruleset: &Ruleset) -> Result<[Table; 2], TraceError> {
 
     // Jump rules are inserted ahead of anything appended to built-in chains.
     for jump in &ruleset.jumps {
-        add_jump_rule(&mut tables, jump, family)?;
+        add_jump_rule(&mut tables, jump, family, sets)?;
     }
 
     for p in pending {
+        check_sets(&p.parsed.matches, sets).map_err(|(set, reason)| TraceError::Set {
+            line: p.line,
+            set,
+            rule: p.text.clone(),
+            reason,
+        })?;
         let resolve = |name: &str| -> Result<usize, TraceError> {
             match tables[p.table].index.get(name) {
                 Some(&idx) if !tables[p.table].chains[idx].builtin => Ok(idx),
@@ -685,7 +779,32 @@ fn load(ruleset: &Ruleset) -> Result<[Table; 2], TraceError> {
     Ok(tables)
 }
 
-fn add_jump_rule(tables: &mut [Table; 2], jump: &JumpRule, family: IpFamily) -> Result<(), TraceError> {
+/// Checks the `-m set` matches of a rule against the sets supplied: `(set, reason)` if one is
+/// missing or used in a way the tracer cannot evaluate.
+fn check_sets(matches: &[Match], sets: &dyn SetLookup) -> Result<(), (String, String)> {
+    for m in matches {
+        let Match::Set { name, src, .. } = m else {
+            continue;
+        };
+        let Some(dims) = sets.dimensions(name) else {
+            return Err((name.clone(), "no such set".to_string()));
+        };
+        // Flags beyond the set's dimensions are ignored by the kernel, as in upstream's use of
+        // `dst,dst` with `hash:ip,port`. Fewer flags than dimensions never match (see
+        // `Tracer::set_match`).
+        if dims.iter().zip(src).any(|(dim, &src)| src && *dim == SetDim::Port) {
+            return Err((name.clone(), "source ports are not traced".to_string()));
+        }
+    }
+    Ok(())
+}
+
+fn add_jump_rule(
+    tables: &mut Tables,
+    jump: &JumpRule,
+    family: IpFamily,
+    sets: &dyn SetLookup,
+) -> Result<(), TraceError> {
     let mut text = format!("-A {}", jump.chain);
     for arg in &jump.args {
         text.push(' ');
@@ -709,6 +828,7 @@ fn add_jump_rule(tables: &mut [Table; 2], jump: &JumpRule, family: IpFamily) -> 
         )));
     }
     let parsed = parse_rule(&jump.args, family, table).map_err(|e| err(e.reason()))?;
+    check_sets(&parsed.matches, sets).map_err(|(set, reason)| err(format!("ipset {set}: {reason}")))?;
     let goto = matches!(parsed.target, TargetSpec::Goto(_));
     let target = match parsed.target {
         TargetSpec::Resolved(t) => t,
@@ -803,8 +923,9 @@ fn quote_arg(arg: &str) -> String {
     q
 }
 
-const MODULES: [&str; 10] = [
-    "comment", "tcp", "udp", "sctp", "addrtype", "mark", "conntrack", "statistic", "recent", "nfacct",
+const MODULES: [&str; 13] = [
+    "comment", "tcp", "udp", "sctp", "addrtype", "mark", "conntrack", "statistic", "recent", "nfacct", "set",
+    "physdev", "ipvs",
 ];
 
 #[derive(Default)]
@@ -1040,6 +1161,53 @@ fn parse_rule(tokens: &[String], family: IpFamily, table: usize) -> Result<Parse
                 no_neg(negated)?;
                 need("nfacct")?;
                 value()?;
+            }
+            "--match-set" => {
+                need("set")?;
+                let name = value()?.to_string();
+                let flags = value()?;
+                let mut src = Vec::new();
+                for flag in flags.split(',') {
+                    src.push(match flag {
+                        "src" => true,
+                        "dst" => false,
+                        _ => return Err(Malformed(format!("bad --match-set flags {flags}"))),
+                    });
+                }
+                // ipset's limit on dimensions.
+                if src.len() > 6 {
+                    return Err(Malformed(format!("too many --match-set flags {flags}")));
+                }
+                matches.push(Match::Set {
+                    name,
+                    src,
+                    neg: negated,
+                });
+            }
+            "--physdev-is-in" => {
+                need("physdev")?;
+                matches.push(Match::PhysdevIsIn { neg: negated });
+            }
+            "--vaddr" => {
+                need("ipvs")?;
+                let cidr = parse_cidr(value()?, family)?;
+                matches.push(Match::IpvsVaddr { cidr, neg: negated });
+            }
+            "--vproto" => {
+                need("ipvs")?;
+                let v = value()?;
+                let protocol = match v.to_ascii_lowercase().as_str() {
+                    "tcp" | "6" => Protocol::Tcp,
+                    "udp" | "17" => Protocol::Udp,
+                    "sctp" | "132" => Protocol::Sctp,
+                    _ => return Err(Unsupported(format!("--vproto {v} is not supported"))),
+                };
+                matches.push(Match::IpvsVproto { protocol, neg: negated });
+            }
+            "--vport" => {
+                need("ipvs")?;
+                let port = parse_port(value()?)?;
+                matches.push(Match::IpvsVport { port, neg: negated });
             }
             "--to-destination" => {
                 no_neg(negated)?;
@@ -1300,31 +1468,93 @@ fn parse_to_destination(s: &str, family: IpFamily) -> Result<(IpAddr, Option<u16
 // Walking the packet
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-struct RuleRef {
+pub(crate) struct RuleRef {
     table: usize,
     chain: usize,
     rule: usize,
 }
 
+/// One entry of a path's report.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Step {
+    /// A matched iptables rule.
+    Rule(RuleRef),
+    /// A step outside the iptables tables (IPVS), as the report prints it.
+    Other {
+        table: &'static str,
+        chain: &'static str,
+        text: String,
+    },
+}
+
+/// The virtual service of the IPVS connection a packet belongs to (what `-m ipvs` checks).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct VirtualService {
+    pub(crate) protocol: Protocol,
+    pub(crate) addr: IpAddr,
+    pub(crate) port: u16,
+}
+
 /// The packet and its history on one path.
 #[derive(Clone, Debug)]
-struct PathState {
-    src: IpAddr,
-    dst: IpAddr,
-    dport: u16,
-    protocol: Protocol,
+pub(crate) struct PathState {
+    pub(crate) src: IpAddr,
+    pub(crate) dst: IpAddr,
+    pub(crate) dport: u16,
+    pub(crate) protocol: Protocol,
     in_interface: Option<String>,
     mark: u32,
-    dnat: Option<SocketAddr>,
+    pub(crate) dnat: Option<SocketAddr>,
     masquerade: bool,
     /// A rule of ours said `-j ACCEPT`.
-    accepted: bool,
+    pub(crate) accepted: bool,
     /// Session-affinity decisions already taken on this path (name -> hit).
     recent: BTreeMap<String, bool>,
-    rules: Vec<RuleRef>,
-    choices: Vec<String>,
-    hooks: Vec<&'static str>,
-    verdict: Verdict,
+    /// Whether the packet was bridged, once a physdev match asked.
+    bridged: Option<bool>,
+    /// Set once IPVS has scheduled the packet.
+    pub(crate) ipvs: Option<VirtualService>,
+    pub(crate) rules: Vec<Step>,
+    pub(crate) choices: Vec<String>,
+    pub(crate) hooks: Vec<&'static str>,
+    pub(crate) verdict: Verdict,
+}
+
+impl PathState {
+    /// The packet before the first hook: a packet from the node has no input interface.
+    pub(crate) fn start(packet: &Packet, from_node: bool) -> PathState {
+        PathState {
+            src: packet.src,
+            dst: packet.dst,
+            dport: packet.dport,
+            protocol: packet.protocol,
+            in_interface: if from_node { None } else { packet.in_interface.clone() },
+            mark: 0,
+            dnat: None,
+            masquerade: false,
+            accepted: false,
+            recent: BTreeMap::new(),
+            bridged: None,
+            ipvs: None,
+            rules: Vec::new(),
+            choices: Vec::new(),
+            hooks: Vec::new(),
+            verdict: Verdict::Pass,
+        }
+    }
+
+    /// Local traffic to a local address comes back in through `lo`.
+    pub(crate) fn loop_back(&mut self) {
+        self.in_interface = Some("lo".to_string());
+    }
+}
+
+/// A path after one hook.
+pub(crate) enum AfterHook {
+    /// Dropped or rejected there; its verdict is set.
+    Stopped(PathState),
+    /// Goes on to the next hook.
+    GoesOn(PathState),
 }
 
 /// How a chain traversal ended.
@@ -1339,7 +1569,7 @@ enum End {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Hook {
+pub(crate) enum Hook {
     NatPrerouting,
     NatOutput,
     FilterInput,
@@ -1366,7 +1596,7 @@ impl Hook {
         }
     }
 
-    fn label(self) -> &'static str {
+    pub(crate) fn label(self) -> &'static str {
         match self {
             Hook::NatPrerouting => "nat/PREROUTING",
             Hook::NatOutput => "nat/OUTPUT",
@@ -1383,19 +1613,32 @@ enum Work {
     Done(PathState, End),
 }
 
-struct Tracer<'a> {
-    tables: &'a [Table; 2],
-    ctx: &'a TraceContext,
+/// Walks paths through parsed tables.
+pub(crate) struct Tracer<'a> {
+    tables: &'a Tables,
+    sets: &'a dyn SetLookup,
+    /// The node's addresses; loopback counts as local whether listed or not.
+    local: &'a [IpAddr],
     /// Paths created so far (each fork adds one).
     forks: usize,
 }
 
 impl<'a> Tracer<'a> {
-    fn is_local(&self, ip: &IpAddr) -> bool {
-        ip.is_loopback() || self.ctx.local_addresses.contains(ip)
+    pub(crate) fn new(tables: &'a Tables, sets: &'a dyn SetLookup, local: &'a [IpAddr]) -> Tracer<'a> {
+        Tracer {
+            tables,
+            sets,
+            local,
+            forks: 1,
+        }
     }
 
-    fn fork(&mut self) -> Result<(), TraceError> {
+    pub(crate) fn is_local(&self, ip: &IpAddr) -> bool {
+        ip.is_loopback() || self.local.contains(ip)
+    }
+
+    /// Counts one more path, failing past [`MAX_PATHS`].
+    pub(crate) fn fork(&mut self) -> Result<(), TraceError> {
         self.forks += 1;
         if self.forks > MAX_PATHS {
             return Err(TraceError::TooManyPaths { limit: MAX_PATHS });
@@ -1403,47 +1646,58 @@ impl<'a> Tracer<'a> {
         Ok(())
     }
 
-    /// Evaluates `hook` and every later hook for one path, pushing finished paths to `out`.
-    fn walk(
-        &mut self,
-        hook: Hook,
-        mut st: PathState,
-        local_src: bool,
-        out: &mut Vec<PathState>,
-    ) -> Result<(), TraceError> {
+    /// Runs the built-in chain of `hook` for one path; returns each resulting path, in rule
+    /// order, stopped there (DROP, REJECT, a DROP policy) or going on.
+    pub(crate) fn run_hook(&mut self, hook: Hook, mut st: PathState) -> Result<Vec<AfterHook>, TraceError> {
         let tables = self.tables;
         let table = hook.table();
         st.hooks.push(hook.label());
         let chain = tables[table].index[hook.chain()];
         let policy_drop = tables[table].chains[chain].policy_drop;
+        let mut out = Vec::new();
         for (mut s, end) in self.run_chain(table, chain, st, &mut Vec::new())? {
             let end = if end == End::Fall && policy_drop {
                 End::Drop
             } else {
                 end
             };
-            match end {
+            out.push(match end {
                 End::Drop => {
                     s.verdict = Verdict::Drop;
-                    out.push(s);
+                    AfterHook::Stopped(s)
                 }
                 End::Reject => {
                     s.verdict = Verdict::Reject;
+                    AfterHook::Stopped(s)
+                }
+                End::Fall | End::Accept => AfterHook::GoesOn(s),
+            });
+        }
+        Ok(out)
+    }
+
+    /// Evaluates `hook` and every later hook for one path in iptables mode's hook order,
+    /// pushing finished paths to `out`.
+    fn walk(&mut self, hook: Hook, st: PathState, local_src: bool, out: &mut Vec<PathState>) -> Result<(), TraceError> {
+        for after in self.run_hook(hook, st)? {
+            let mut s = match after {
+                AfterHook::Stopped(s) => {
+                    out.push(s);
+                    continue;
+                }
+                AfterHook::GoesOn(s) => s,
+            };
+            match self.next_hook(hook, &s, local_src) {
+                Some(next) => {
+                    if next == Hook::FilterInput && local_src {
+                        s.loop_back();
+                    }
+                    self.walk(next, s, local_src, out)?;
+                }
+                None => {
+                    s.verdict = Verdict::after_all_hooks(s.dnat.is_some(), s.accepted);
                     out.push(s);
                 }
-                End::Fall | End::Accept => match self.next_hook(hook, &s, local_src) {
-                    Some(next) => {
-                        if next == Hook::FilterInput && local_src {
-                            // Local traffic to a local address loops back in through `lo`.
-                            s.in_interface = Some("lo".to_string());
-                        }
-                        self.walk(next, s, local_src, out)?;
-                    }
-                    None => {
-                        s.verdict = Verdict::after_all_hooks(s.dnat.is_some(), s.accepted);
-                        out.push(s);
-                    }
-                },
             }
         }
         Ok(())
@@ -1513,7 +1767,7 @@ impl<'a> Tracer<'a> {
                     next.push(Work::At(i + 1, s));
                     continue;
                 }
-                s.rules.push(RuleRef { table, chain, rule: i });
+                s.rules.push(Step::Rule(RuleRef { table, chain, rule: i }));
                 for m in &rule.matches {
                     if let Match::RecentSet { name } = m {
                         s.recent.insert(name.clone(), true);
@@ -1599,6 +1853,29 @@ impl<'a> Tracer<'a> {
                         forked.push((miss, false));
                     }
                     Match::Statistic { probability, .. } => forked.push((s, *probability >= 1.0)),
+                    Match::PhysdevIsIn { neg } => match (s.bridged, s.in_interface.clone()) {
+                        (Some(bridged), _) => forked.push((s, bridged != *neg)),
+                        // Without an input interface (from the node) nothing was bridged.
+                        (None, None) => forked.push((s, *neg)),
+                        (None, Some(iface)) => {
+                            self.fork()?;
+                            let place = self.place(table, chain, rule);
+                            let mut bridged = s.clone();
+                            bridged.bridged = Some(true);
+                            bridged
+                                .choices
+                                .push(format!("physdev: bridged into {iface} (br_netfilter): {place}"));
+                            let mut routed = s;
+                            routed.bridged = Some(false);
+                            routed
+                                .choices
+                                .push(format!("physdev: {iface} is not a bridge: {place}"));
+                            // The path on which the rule matches first.
+                            let (first, second) = if *neg { (routed, bridged) } else { (bridged, routed) };
+                            forked.push((first, true));
+                            forked.push((second, false));
+                        }
+                    },
                     Match::RecentCheck { name } => match s.recent.get(name) {
                         Some(&hit) => forked.push((s, hit)),
                         None => {
@@ -1658,13 +1935,47 @@ impl<'a> Tracer<'a> {
             Match::AddrTypeLocal { dst, neg } => self.is_local(if *dst { &st.dst } else { &st.src }) != *neg,
             Match::Mark { value, mask, neg } => (st.mark & mask == *value) != *neg,
             Match::CtState { states, neg } => {
-                // Always a new connection; DNATed connections also carry the DNAT state.
-                let current = CT_NEW | if st.dnat.is_some() { CT_DNAT } else { 0 };
+                // Always a new connection; connections DNATed by iptables also carry the DNAT
+                // state. IPVS rewrites only the reply tuple of its connections, so they don't.
+                let dnat = st.dnat.is_some() && st.ipvs.is_none();
+                let current = CT_NEW | if dnat { CT_DNAT } else { 0 };
                 (states & current != 0) != *neg
             }
             Match::RecentSet { .. } => true,
+            Match::Set { name, src, neg } => self.set_match(name, src, st) != *neg,
+            Match::PhysdevIsIn { neg } => match (st.bridged, &st.in_interface) {
+                (Some(bridged), _) => bridged != *neg,
+                (None, None) => *neg,
+                (None, Some(_)) => return None,
+            },
+            Match::IpvsVaddr { cidr, neg } => st.ipvs.is_some_and(|v| cidr.contains(&v.addr) != *neg),
+            Match::IpvsVproto { protocol, neg } => st.ipvs.is_some_and(|v| (v.protocol == *protocol) != *neg),
+            Match::IpvsVport { port, neg } => st.ipvs.is_some_and(|v| (v.port == *port) != *neg),
             Match::Statistic { .. } | Match::RecentCheck { .. } => return None,
         })
+    }
+
+    /// `-m set --match-set NAME FLAGS`: the key takes, for each dimension of the set, the
+    /// packet's source or destination address or destination port, as its flag says.
+    fn set_match(&self, name: &str, src: &[bool], st: &PathState) -> bool {
+        // The set exists: `load` checked it.
+        let Some(dims) = self.sets.dimensions(name) else {
+            return false;
+        };
+        // The kernel's set match needs a flag per dimension; with fewer it never matches.
+        if src.len() < dims.len() {
+            return false;
+        }
+        let key: Vec<SetValue> = dims
+            .iter()
+            .zip(src)
+            .map(|(dim, &from_src)| match dim {
+                SetDim::Addr => SetValue::Addr(if from_src { st.src } else { st.dst }),
+                // Source ports were refused when loading.
+                SetDim::Port => SetValue::Port(st.protocol, st.dport),
+            })
+            .collect();
+        self.sets.contains(name, &key)
     }
 }
 
