@@ -135,6 +135,14 @@ impl Dataplane {
         }
     }
 
+    /// Whether each sync period brings a sync even without a change: IPVS mode, whose NodePort
+    /// virtual servers follow the node's interface addresses, which nothing watched reports
+    /// (upstream's periodic syncs re-read them too). A sync that renders what is applied
+    /// changes nothing.
+    fn syncs_periodically(&self) -> bool {
+        matches!(self, Dataplane::Ipvs(_))
+    }
+
     fn force_full_sync(&mut self) {
         match self {
             Dataplane::Iptables(p) => p.force_full_sync(),
@@ -292,6 +300,7 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
                     p.proxier.force_full_sync();
                     p.pending = true;
                 }
+                p.pending |= p.proxier.syncs_periodically();
             }
         }
         if !proxiers.iter().any(|p| p.pending) || now < earliest || retry_at.is_some_and(|t| now < t) {

@@ -13,6 +13,9 @@
 //! - NodePort from the outside host (masqueraded), externalTrafficPolicy Local (client address
 //!   kept, local endpoints only), loadBalancerSourceRanges (allowed source in, other dropped),
 //!   sessionAffinity ClientIP (one endpoint for every connection);
+//! - NodePorts follow the node's interface addresses: a second address on the node's
+//!   outside-facing link, which the Node object does not list, gets the NodePort's virtual
+//!   server at the next sync and answers; removed, its virtual server goes;
 //! - hairpin: an endpoint reaching its own Service through it is masqueraded;
 //! - a Service without endpoints: the kernel answers ICMP port unreachable itself (IPVS has a
 //!   virtual server without real servers), so a client sees "connection refused" at once;
@@ -23,6 +26,9 @@
 //! - switching to iptables mode removes the virtual servers, `kube-ipvs0`, the ipsets and IPVS
 //!   mode's chains, and back to IPVS mode removes iptables mode's chains;
 //! - UDP: a flow whose endpoint is removed moves to the live one (no draining for UDP);
+//! - a NodePort Service deleted while the daemon is down: the first sync after the restart
+//!   deletes its virtual servers on the node addresses, and leaves someone else's virtual
+//!   server in the NodePort range (direct routing) alone;
 //! - sh (`--ipvs-scheduler=sh`, the daemon restarted): every client address sticks to one
 //!   endpoint;
 //! - `--cleanup` removes the virtual servers, `kube-ipvs0` and the ipsets;
@@ -133,6 +139,11 @@ mod in_vm {
 
     /// The Services, with the UDP one's endpoints given too.
     fn services_with_udp(bed: &Testbed, drain: &[Ep], udp: &[Ep]) -> String {
+        services_but(bed, drain, udp, "")
+    }
+
+    /// The Services but the one named `skip`.
+    fn services_but(bed: &Testbed, drain: &[Ep], udp: &[Ep], skip: &str) -> String {
         let all: Vec<Ep> = bed.endpoints().iter().map(|e| Ep::local(e.ip)).collect();
         let first = [Ep::local(bed.endpoint(0).ip)];
         let mut web = ServiceSpec::new("web", WEB, &all);
@@ -157,7 +168,9 @@ mod in_vm {
         let drain = ServiceSpec::new("drain", DRAIN, drain);
         let mut dns = ServiceSpec::new("dns", DNS, udp);
         dns.protocol = "UDP";
-        manifests(&[web, empty, sticky, lb, local, drain, dns])
+        let all = [web, empty, sticky, lb, local, drain, dns];
+        let kept: Vec<ServiceSpec<'_>> = all.into_iter().filter(|s| s.name != skip).collect();
+        manifests(&kept)
     }
 
     struct Node {
@@ -307,12 +320,14 @@ mod in_vm {
         step("sysctls and timeouts", &mut || sysctls_and_timeouts(&node));
         step("rr", &mut || round_robin(&node));
         step("NodePort", &mut || node_port_and_local_policy(&node));
+        step("NodePort on a new address", &mut || node_port_follows_addresses(&node));
         step("zero endpoints", &mut || zero_endpoints(&node));
         step("hairpin", &mut || hairpin(&node));
         step("affinity", &mut || session_affinity(&node));
         step("source ranges", &mut || source_ranges(&node));
         step("graceful termination", &mut || graceful_termination(&node));
         step("UDP", &mut || udp_moves_on(&node));
+        step("Service deleted while down", &mut || deleted_while_down(&mut node));
         step("switch to iptables", &mut || {
             node.start_daemon_in("iptables", &[]);
             iptables_mode_removed_ipvs_state(&node);
@@ -540,6 +555,98 @@ mod in_vm {
             "trace agrees: the local endpoint, not masqueraded"
         );
         println!("NodePort: cluster policy masqueraded, Local policy keeps {outside}");
+    }
+
+    /// The virtual-server lines of `ipvsadm -Ln` for TCP `port`, on any address.
+    fn on_port(node: &Node, port: u16) -> Vec<String> {
+        let suffix = format!(":{port} ");
+        virtual_servers(&node.ipvsadm(&["-Ln"]))
+            .into_iter()
+            .filter(|l| l.contains(&suffix))
+            .collect()
+    }
+
+    /// A second address on the node's outside-facing link, not in the Node object: the next
+    /// periodic sync puts the NodePort there; removed, the next one takes it away.
+    fn node_port_follows_addresses(node: &Node) {
+        let bed = &node.bed;
+        let second = sa("192.168.49.3", WEB_NODE_PORT);
+        let line = format!("TCP {second} rr");
+        assert!(!on_port(node, WEB_NODE_PORT).contains(&line));
+        bed.node
+            .ip(["addr", "add", "192.168.49.3/24", "dev", "eth0"])
+            .expect("add the address");
+        let added = wait_until(Duration::from_secs(15), "a NodePort on the new address", || {
+            on_port(node, WEB_NODE_PORT).contains(&line)
+        });
+        let outside = bed.outside_ips()[0];
+        let r = node.probe(&bed.outside, &ProbeArgs::tcp(second).with_bind(outside).with_count(6));
+        assert!(r.all_ok(), "NodePort on the new address: {:?}", r.errors());
+        assert_eq!(r.names().len(), 3, "{:?}", r.names());
+        bed.node
+            .ip(["addr", "del", "192.168.49.3/24", "dev", "eth0"])
+            .expect("delete the address");
+        let removed = wait_until(
+            Duration::from_secs(15),
+            "the NodePort gone from the old address",
+            || !on_port(node, WEB_NODE_PORT).contains(&line),
+        );
+        let r = node.probe(
+            &bed.outside,
+            &ProbeArgs::tcp(second)
+                .with_bind(outside)
+                .with_count(2)
+                .with_timeout_ms(700),
+        );
+        assert_eq!(r.ok_count(), 0, "no answer there any more: {:?}", r.attempts);
+        assert!(
+            on_port(node, WEB_NODE_PORT).contains(&format!("TCP {} rr", sa("192.168.49.2", WEB_NODE_PORT))),
+            "the Node's own address keeps it"
+        );
+        println!("NodePort on a new address: added after {added:?}, removed after {removed:?}");
+    }
+
+    /// The lb Service (NodePort 32518, never connected to through it) is deleted while the
+    /// daemon is down: the first sync after the restart deletes its NodePort virtual servers,
+    /// which are on no address of kube-ipvs0, and leaves someone else's in the NodePort range.
+    fn deleted_while_down(node: &mut Node) {
+        const THEIRS: &str = "192.168.49.2:32000";
+        node.ipvsadm(&["-A", "-t", THEIRS, "-s", "wlc"]);
+        node.ipvsadm(&["-a", "-t", THEIRS, "-r", "10.244.1.2", "-g"]);
+        let before = on_port(node, LB_NODE_PORT);
+        assert!(
+            before.contains(&format!("TCP {} rr", sa("192.168.49.2", LB_NODE_PORT))),
+            "{before:?}"
+        );
+        drop(node.daemon.take());
+        let bed = &node.bed;
+        let (new, udp) = ([Ep::local(bed.endpoint(1).ip)], [Ep::local(bed.endpoint(1).ip)]);
+        node.dir.write(&services_but(bed, &new, &udp, "lb"));
+        assert_eq!(
+            on_port(node, LB_NODE_PORT),
+            before,
+            "nothing changes while the daemon is down"
+        );
+        node.start_daemon(&[]);
+        wait_until(
+            Duration::from_secs(10),
+            "the NodePort virtual servers of lb gone",
+            || on_port(node, LB_NODE_PORT).is_empty(),
+        );
+        let theirs = node.ipvsadm(&["-Ln", "-t", THEIRS]);
+        assert!(
+            theirs.contains("wlc") && theirs.contains("10.244.1.2:32000") && theirs.contains("Route"),
+            "not ours, kept: {theirs}"
+        );
+        let foreign = node.ipvsadm(&["-Ln", "-t", FOREIGN]);
+        assert!(foreign.contains("10.244.1.2:8080"), "{foreign}");
+        assert!(
+            !on_port(node, WEB_NODE_PORT).is_empty(),
+            "the other NodePorts stay: {}",
+            node.ipvsadm(&["-Ln"])
+        );
+        node.ipvsadm(&["-D", "-t", THEIRS]);
+        println!("deleted while down: {} NodePort virtual servers removed", before.len());
     }
 
     fn zero_endpoints(node: &Node) {

@@ -48,7 +48,9 @@ pub trait IpvsHost {
     fn delete_link(&mut self, name: &str) -> Result<(), HostError>;
     /// The addresses on the link, both families; empty when there is no such link.
     fn addresses(&mut self, name: &str) -> Result<Vec<IpAddr>, HostError>;
-    /// Every address of the namespace on links other than `except`.
+    /// Every address of the namespace on links other than `except`, both families, loopback
+    /// included (one listing for all links, as upstream's GetAllLocalAddressesExcept: an
+    /// address that is also on another link counts).
     fn other_addresses(&mut self, except: &str) -> Result<Vec<IpAddr>, HostError>;
     /// Adds and deletes host-sized addresses (/32, /128) on the link, in one run of the tool.
     fn change_addresses(&mut self, name: &str, add: &[IpAddr], del: &[IpAddr]) -> Result<(), HostError>;
@@ -235,7 +237,8 @@ impl IpvsHost for HostExec {
 #[derive(Clone, Debug, Default)]
 pub struct FakeHost {
     pub links: BTreeMap<String, BTreeSet<IpAddr>>,
-    /// Addresses of the namespace's other links.
+    /// Addresses of the namespace's links that are not in `links` (eth0, lo, ...): tests
+    /// add and remove node addresses here.
     pub other: Vec<IpAddr>,
     pub sets: BTreeMap<String, BTreeSet<String>>,
     pub sysctls: BTreeMap<String, String>,
@@ -245,6 +248,8 @@ pub struct FakeHost {
     pub restores: Vec<String>,
     /// Makes the next `ipset restore` fail.
     pub fail_next_restore: bool,
+    /// Makes the next listing of other links' addresses fail.
+    pub fail_next_list: bool,
 }
 
 impl IpvsHost for FakeHost {
@@ -276,8 +281,19 @@ impl IpvsHost for FakeHost {
             .unwrap_or_default())
     }
 
-    fn other_addresses(&mut self, _except: &str) -> Result<Vec<IpAddr>, HostError> {
-        Ok(self.other.clone())
+    fn other_addresses(&mut self, except: &str) -> Result<Vec<IpAddr>, HostError> {
+        if std::mem::take(&mut self.fail_next_list) {
+            return Err(HostError::Failed {
+                command: "ip -o addr show".into(),
+                status: "exit status: 1".into(),
+                stderr: "injected failure".into(),
+            });
+        }
+        let mut all = self.other.clone();
+        for (_, addrs) in self.links.iter().filter(|(name, _)| name.as_str() != except) {
+            all.extend(addrs.iter().copied());
+        }
+        Ok(all)
     }
 
     fn change_addresses(&mut self, name: &str, add: &[IpAddr], del: &[IpAddr]) -> Result<(), HostError> {

@@ -14,12 +14,19 @@
 //! 6. virtual servers we own that are no longer wanted drained and deleted, and addresses no
 //!    longer wanted unbound.
 //!
-//! **Ownership.** Only virtual servers of this family whose address is on `kube-ipvs0`, or
-//! which this proxier programmed itself, are ever changed or deleted; firewall-mark services
-//! and those within `--ipvs-exclude-cidrs` never. (Upstream deletes every virtual server of
-//! its family outside the excluded CIDRs; we leave other users' services alone. The cost: a
-//! NodePort virtual server on a node address whose Service was deleted while the daemon was
-//! down stays until `--cleanup`.)
+//! **Node addresses.** Every sync lists the addresses of the namespace's links but
+//! `kube-ipvs0` (upstream re-reads them on every sync too) and renders with them: NodePort
+//! virtual servers go on those nodePortAddresses selects, so an address that appears gets
+//! them at the next sync, and one that goes loses them (they are ours: we programmed them).
+//!
+//! **Ownership.** Only virtual servers of this family that are ours are ever changed or
+//! deleted: those whose address is on `kube-ipvs0`, those this proxier programmed itself, and
+//! NodePort-looking ones on a node address (in the default NodePort range, Masq real servers
+//! only, as `--cleanup` recognises them), so that a Service deleted while the daemon was down
+//! loses its NodePort virtual servers at the first sync after the restart. Firewall-mark
+//! services and those within `--ipvs-exclude-cidrs` never. (Upstream's cleanLegacyService
+//! deletes every virtual server of its family outside the excluded CIDRs; we leave other
+//! users' services alone.)
 //!
 //! **Graceful termination** (upstream's `graceful_termination.go`): a real server no longer
 //! wanted is not deleted at once when it has connections. It gets weight 0 (no new
@@ -30,7 +37,8 @@
 //! (a resolver reusing its source port would stay on a deleted pod for ever), and with
 //! `expire_nodest_conn=1` the kernel moves such flows on their next packet. A virtual server
 //! no longer wanted is deleted once its last real server is; its address stays bound until
-//! then, so that its open connections still reach IPVS.
+//! then, so that its open connections still reach IPVS. One whose address the node no longer
+//! has (a NodePort on an address that went) is deleted at once: nothing reaches it to drain.
 //!
 //! A sync whose rendering equals the last applied one (the daemon's drain re-checks, periodic
 //! syncs) only re-checks draining real servers.
@@ -97,6 +105,8 @@ pub struct IpvsProxier<V: Ipvs, I: Iptables, H: IpvsHost> {
     setup_done: bool,
     /// Virtual servers this proxier programmed (see "Ownership" above).
     programmed: BTreeSet<ServiceKey>,
+    /// The node's addresses of this family outside `kube-ipvs0`, as listed for the last sync.
+    node_addresses: BTreeSet<IpAddr>,
     /// Real servers on their way out, with their virtual server.
     draining: BTreeMap<(ServiceKey, SocketAddr), VirtualServer>,
     /// Virtual servers no longer wanted, deleted once their last real server is.
@@ -205,6 +215,7 @@ impl<V: Ipvs, I: Iptables, H: IpvsHost> IpvsProxier<V, I, H> {
             applied: None,
             setup_done: false,
             programmed: BTreeSet::new(),
+            node_addresses: BTreeSet::new(),
             draining: BTreeMap::new(),
             retiring: BTreeMap::new(),
             next_check: None,
@@ -265,7 +276,22 @@ impl<V: Ipvs, I: Iptables, H: IpvsHost> IpvsProxier<V, I, H> {
     /// Brings the kernel in line with `state` (which must be of this proxier's family).
     pub fn sync(&mut self, state: &ProxyState) -> Result<SyncReport, SyncError> {
         let start = Instant::now();
-        let rs = render(state, &self.opts);
+        let family = self.family;
+        // Listed on every sync: an address that appears or goes changes the rendering, which
+        // makes this sync a full one.
+        let listed: Vec<IpAddr> = match self.host.other_addresses(DUMMY_DEVICE) {
+            Ok(a) => a.into_iter().filter(|ip| family.contains(ip)).collect(),
+            Err(e) => {
+                self.applied = None;
+                return Err(e.into());
+            }
+        };
+        self.node_addresses = listed.iter().copied().collect();
+        let opts = IpvsRenderOptions {
+            node_addresses: Some(listed),
+            ..self.opts.clone()
+        };
+        let rs = render(state, &opts);
         let result = self.sync_inner(&rs);
         match result {
             Ok(mut report) => {
@@ -422,14 +448,33 @@ impl<V: Ipvs, I: Iptables, H: IpvsHost> IpvsProxier<V, I, H> {
 
         // 6. Virtual servers we own and no longer want.
         for (key, vs) in &current {
-            if wanted.contains(key) || self.retiring.contains_key(key) || self.excluded(&vs.address) {
+            if wanted.contains(key) || self.excluded(&vs.address) {
                 continue;
             }
-            let ours = bound_now.contains(&vs.address) || self.programmed.contains(key);
-            if !ours {
+            // No packet for an address the node no longer has reaches IPVS (it only sees
+            // local input): a virtual server there has nothing left to drain.
+            let unreachable = !bound_now.contains(&vs.address) && !self.node_addresses.contains(&vs.address);
+            if self.retiring.contains_key(key) {
+                if unreachable {
+                    self.delete_now(*key, vs)?;
+                }
+                continue;
+            }
+            if unreachable && self.programmed.contains(key) {
+                self.delete_now(*key, vs)?;
+                report.rewritten_services += 1;
+                continue;
+            }
+            let known = bound_now.contains(&vs.address) || self.programmed.contains(key);
+            let on_node = self.node_addresses.contains(&vs.address) && NODE_PORT_RANGE.contains(&vs.port);
+            if !known && !on_node {
                 continue;
             }
             let dests = self.ipvs.dests(vs)?;
+            // One left by an earlier run, whose Service went while the daemon was down.
+            if !known && !node_port_looking(vs, &dests, &self.node_addresses) {
+                continue;
+            }
             for d in &dests {
                 self.retire_dest(vs, d, report)?;
             }
@@ -473,6 +518,15 @@ impl<V: Ipvs, I: Iptables, H: IpvsHost> IpvsProxier<V, I, H> {
             self.check_interval = (self.check_interval * 2).min(DRAIN_CHECK_MAX);
         }
         self.next_check = Some(Instant::now() + self.check_interval);
+    }
+
+    /// Deletes one of our virtual servers with its real servers, draining or not.
+    fn delete_now(&mut self, key: ServiceKey, vs: &VirtualServer) -> Result<(), SyncError> {
+        gone_ok(self.ipvs.delete_service(vs))?;
+        self.draining.retain(|(k, _), _| *k != key);
+        self.retiring.remove(&key);
+        self.programmed.remove(&key);
+        Ok(())
     }
 
     /// Deletes retiring virtual servers that have no real servers left.
@@ -580,9 +634,21 @@ pub fn ipset_names() -> Vec<String> {
     v
 }
 
-/// The NodePort range upstream defaults to: `--cleanup` takes a Masq virtual server on a node
-/// address within it for ours.
+/// The NodePort range upstream's apiserver defaults to (kube-proxy is never told the real
+/// one): a Masq virtual server on a node address within it is taken for ours.
 const NODE_PORT_RANGE: std::ops::RangeInclusive<u16> = 30000..=32767;
+
+/// Whether a virtual server looks like one of our NodePorts: on one of `node_addresses`, its
+/// port in the default NodePort range, and every real server NAT-forwarded ("Masq", the only
+/// forwarding we program; none at all for a Service without endpoints).
+pub fn node_port_looking(vs: &VirtualServer, dests: &[RealServer], node_addresses: &BTreeSet<IpAddr>) -> bool {
+    vs.fwmark.is_none()
+        // Never ours: NodePorts do not go on loopback in IPVS mode.
+        && !vs.address.is_loopback()
+        && node_addresses.contains(&vs.address)
+        && NODE_PORT_RANGE.contains(&vs.port)
+        && dests.iter().all(|r| r.forward == super::netlink::Forward::Masq)
+}
 
 /// Removes IPVS mode's state: virtual servers on `kube-ipvs0` addresses (and, with
 /// `node_ports`, NodePort-looking ones on node addresses: in the default NodePort range with
@@ -617,9 +683,7 @@ pub fn cleanup<H: IpvsHost>(
                     let ours = dummy.contains(&vs.address)
                         || (others.contains(&vs.address)
                             && NODE_PORT_RANGE.contains(&vs.port)
-                            && ipvs
-                                .dests(vs)
-                                .is_ok_and(|d| d.iter().all(|r| r.forward == super::netlink::Forward::Masq)));
+                            && ipvs.dests(vs).is_ok_and(|d| node_port_looking(vs, &d, &others)));
                     if ours && let Err(e) = gone_ok(ipvs.delete_service(vs)) {
                         errors.push(e.to_string());
                     }
@@ -864,13 +928,18 @@ mod tests {
         }
     }
 
+    /// A proxier on a node whose interfaces hold loopback and 192.168.49.2 (the Node's address).
     fn proxier() -> P {
+        let host = FakeHost {
+            other: vec![ip("127.0.0.1"), ip("192.168.49.2"), ip("::1")],
+            ..FakeHost::default()
+        };
         IpvsProxier::new(
             IpFamily::V4,
             IpvsRenderOptions::default(),
             FakeIpvs::new(),
             Fake::default(),
-            FakeHost::default(),
+            host,
         )
     }
 
@@ -1319,20 +1388,169 @@ mod tests {
     }
 
     #[test]
-    fn node_port_virtual_servers_follow_the_node_addresses() {
+    fn node_port_virtual_servers_follow_the_interface_addresses() {
         let mut p = proxier();
         let mut sp = port("web", "10.96.0.10", Protocol::Tcp, &["10.244.1.2"]);
         sp.port.node_port = 30080;
-        p.sync(&state(vec![sp.clone()])).expect("sync");
+        let mut st = state(vec![sp.clone()]);
+        // An address of the Node object that no interface holds carries no NodePort.
+        st.node.addresses.push(ip("172.16.0.9"));
+        p.sync(&st).expect("sync");
         let np = tcp_key("192.168.49.2", 30080);
-        assert!(p.ipvs.table().contains_key(&np));
+        let second = tcp_key("192.168.49.3", 30080);
+        let node_ports = |p: &P| -> Vec<IpAddr> {
+            let mut v: Vec<IpAddr> = p
+                .ipvs
+                .table()
+                .values()
+                .filter(|(vs, _)| vs.port == 30080)
+                .map(|(vs, _)| vs.address)
+                .collect();
+            v.sort();
+            v
+        };
+        assert_eq!(node_ports(&p), [ip("192.168.49.2")], "not on loopback nor 172.16.0.9");
         assert!(
             !p.host.links[DUMMY_DEVICE].contains(&ip("192.168.49.2")),
             "node addresses are not bound"
         );
-        // The NodePort goes away: its virtual server (ours, though not on kube-ipvs0) too.
+
+        // A second address appears on an interface: the next sync, nothing else new, adds it.
+        p.host.other.push(ip("192.168.49.3"));
+        let report = p.sync(&st).expect("sync");
+        assert!(report.full);
+        assert_eq!(node_ports(&p), [ip("192.168.49.2"), ip("192.168.49.3")]);
+        assert_eq!(dests(&p, second), vec![(sa("10.244.1.2:8080"), 1)]);
+        // An unchanged sync lists again, changes nothing.
+        p.ipvs.take_calls();
+        assert!(!p.sync(&st).expect("sync").full);
+        assert!(p.ipvs.calls().iter().all(|c| !c.is_mutation()));
+
+        // It goes: so does its virtual server (ours: we programmed it), at once even with
+        // connections (no packet to the address reaches IPVS any more).
+        assert!(p.ipvs.set_conns(&second, sa("10.244.1.2:8080"), 0, 4));
+        p.host.other.retain(|a| *a != ip("192.168.49.3"));
+        p.sync(&st).expect("sync");
+        assert_eq!(node_ports(&p), [ip("192.168.49.2")]);
+        assert!(p.draining().is_empty());
+        assert_eq!(p.next_cleanup(), None);
+
+        // The NodePort goes away: its virtual server too.
         sp.port.node_port = 0;
         p.sync(&state(vec![sp])).expect("sync");
         assert!(!p.ipvs.table().contains_key(&np));
+    }
+
+    #[test]
+    fn node_ports_left_by_an_earlier_run_go_foreign_ones_stay() {
+        // After a restart: the kernel still holds virtual servers of Services deleted while
+        // the daemon was down, and other users' ones.
+        let mut p = proxier();
+        p.host.other.extend([ip("10.0.2.15"), ip("10.0.3.15")]);
+        let masq = |vs: &VirtualServer, p: &mut P| {
+            p.ipvs
+                .add_dest(vs, &RealServer::new(ip("10.244.3.3"), 8080, 1))
+                .expect("add dest");
+        };
+        let add = |addr: &str, port: u16, p: &mut P| {
+            let vs = VirtualServer::new(ip(addr), Protocol::Tcp, port, "rr");
+            p.ipvs.add_service(&vs).expect("add");
+            vs
+        };
+        // Ours: Masq or no real servers, NodePort range, node address (any interface's).
+        let stale = add("192.168.49.2", 30080, &mut p);
+        masq(&stale, &mut p);
+        let stale_empty = add("192.168.49.2", 31000, &mut p);
+        let stale_other_address = add("10.0.3.15", 30080, &mut p);
+        masq(&stale_other_address, &mut p);
+        // Not ours: direct routing; outside the range; not a node address; loopback;
+        // an excluded CIDR.
+        let routed = add("192.168.49.2", 30500, &mut p);
+        p.ipvs
+            .add_dest(
+                &routed,
+                &RealServer {
+                    forward: crate::ipvs::netlink::Forward::DirectRoute,
+                    ..RealServer::new(ip("10.0.9.9"), 30500, 1)
+                },
+            )
+            .expect("add dest");
+        let out_of_range = add("192.168.49.2", 443, &mut p);
+        masq(&out_of_range, &mut p);
+        let elsewhere = add("172.16.0.1", 30080, &mut p);
+        masq(&elsewhere, &mut p);
+        let lo = add("127.0.0.1", 30080, &mut p);
+        masq(&lo, &mut p);
+        p.set_options(IpvsRenderOptions {
+            exclude_cidrs: vec!["10.0.2.0/24".parse().expect("cidr")],
+            ..IpvsRenderOptions::default()
+        });
+        let excluded = add("10.0.2.15", 30081, &mut p);
+        masq(&excluded, &mut p);
+
+        p.sync(&state(vec![port("web", "10.96.0.10", Protocol::Tcp, &["10.244.1.2"])]))
+            .expect("first sync");
+        let table = p.ipvs.table();
+        for gone in [&stale, &stale_empty, &stale_other_address] {
+            assert!(!table.contains_key(&gone.key()), "{gone:?}");
+        }
+        for kept in [&routed, &out_of_range, &elsewhere, &lo, &excluded] {
+            assert!(table.contains_key(&kept.key()), "{kept:?}");
+        }
+        assert_eq!(table[&routed.key()].1.len(), 1, "untouched");
+        assert!(table.contains_key(&tcp_key("10.96.0.10", 80)));
+    }
+
+    #[test]
+    fn a_stale_node_port_with_connections_drains_first() {
+        let mut p = proxier();
+        let stale = VirtualServer::new(ip("192.168.49.2"), Protocol::Tcp, 30080, "rr");
+        p.ipvs.add_service(&stale).expect("add");
+        p.ipvs
+            .add_dest(&stale, &RealServer::new(ip("10.244.3.3"), 8080, 1))
+            .expect("add dest");
+        assert!(p.ipvs.set_conns(&stale.key(), sa("10.244.3.3:8080"), 1, 0));
+        let st = state(vec![]);
+        p.sync(&st).expect("sync");
+        assert_eq!(dests(&p, stale.key()), vec![(sa("10.244.3.3:8080"), 0)]);
+        p.ipvs.set_conns(&stale.key(), sa("10.244.3.3:8080"), 0, 0);
+        p.next_check = Some(Instant::now());
+        p.sync(&st).expect("sync");
+        assert!(!p.ipvs.table().contains_key(&stale.key()));
+    }
+
+    #[test]
+    fn a_draining_node_port_goes_with_its_address() {
+        let mut p = proxier();
+        p.host.other.push(ip("192.168.49.3"));
+        let mut sp = port("web", "10.96.0.10", Protocol::Tcp, &["10.244.1.2"]);
+        sp.port.node_port = 30080;
+        p.sync(&state(vec![sp.clone()])).expect("sync");
+        let (first, second) = (tcp_key("192.168.49.2", 30080), tcp_key("192.168.49.3", 30080));
+        for key in [&first, &second] {
+            assert!(p.ipvs.set_conns(key, sa("10.244.1.2:8080"), 1, 0));
+        }
+        // The NodePort goes: its virtual server drains...
+        sp.port.node_port = 0;
+        let st = state(vec![sp]);
+        p.sync(&st).expect("sync");
+        assert_eq!(dests(&p, second), vec![(sa("10.244.1.2:8080"), 0)]);
+        // ...until its address goes too.
+        p.host.other.retain(|a| *a != ip("192.168.49.3"));
+        p.force_full_sync();
+        p.sync(&st).expect("sync");
+        assert!(!p.ipvs.table().contains_key(&second));
+        assert_eq!(p.draining(), vec![(first, sa("10.244.1.2:8080"))], "still draining");
+    }
+
+    #[test]
+    fn failing_to_list_addresses_fails_the_sync() {
+        let mut p = proxier();
+        let st = state(vec![port("web", "10.96.0.10", Protocol::Tcp, &["10.244.1.2"])]);
+        p.sync(&st).expect("sync");
+        p.host.fail_next_list = true;
+        let err = p.sync(&st).expect_err("no addresses");
+        assert!(err.to_string().contains("ip -o addr show"), "{err}");
+        assert!(p.sync(&st).expect("retry").full);
     }
 }

@@ -3,6 +3,9 @@
 //!
 //! - the virtual servers (ClusterIP, each externalIP, each load-balancer IP, and each NodePort
 //!   on every selected node address) with their scheduler, persistence and Masq real servers;
+//!   the node addresses are the ones the caller lists in [`IpvsRenderOptions::node_addresses`]
+//!   (the daemon: the node's interface addresses outside `kube-ipvs0`, as upstream), or the
+//!   Node object's when it has none to give (`kube-proxy render`);
 //! - the addresses bound to the `kube-ipvs0` dummy device;
 //! - the ipsets, with upstream's names, types and entries (and the `ipset restore` input that
 //!   creates them as upstream's ipset utility does);
@@ -64,9 +67,15 @@ pub struct IpvsRenderOptions {
     /// The mark is `1 << masquerade_bit`.
     pub masquerade_bit: u8,
     pub local_detector: LocalDetector,
-    /// `nodePortAddresses`: CIDRs and/or `primary`; empty (upstream's default in IPVS mode)
-    /// means every address of the node.
+    /// `nodePortAddresses`: CIDRs and/or `primary` (the Node's primary IP); empty (upstream's
+    /// default in IPVS mode, unlike nftables mode's `primary`) means every address of the node.
     pub node_port_addresses: Vec<String>,
+    /// The node's interface addresses outside `kube-ipvs0` (any family: each render keeps its
+    /// own), as the proxier lists them before every sync, as upstream re-reads them on every
+    /// sync. They carry the NodePort virtual servers and decide which externalIPs and
+    /// load-balancer IPs are already the node's. `None` (`kube-proxy render`, which has no
+    /// host to ask): the Node object's addresses (or `--node-ip`) stand in for them.
+    pub node_addresses: Option<Vec<IpAddr>>,
     /// The `PreferSameTrafficDistribution` feature gate (node hints).
     pub prefer_same_node: bool,
     /// iptables supports `MASQUERADE --random-fully` (every iptables since 1.6.2).
@@ -87,6 +96,7 @@ impl Default for IpvsRenderOptions {
             masquerade_bit: 14,
             local_detector: LocalDetector::None,
             node_port_addresses: Vec::new(),
+            node_addresses: None,
             prefer_same_node: true,
             random_fully: true,
         }
@@ -119,6 +129,8 @@ impl IpvsRenderOptions {
             masquerade_bit: cfg.masquerade_bit,
             local_detector: cfg.local_detector(family, node),
             node_port_addresses: cfg.node_port_addresses.clone(),
+            // Listed by the proxier on every sync (the configuration has no host to ask).
+            node_addresses: None,
             prefer_same_node: cfg.feature_enabled("PreferSameTrafficDistribution"),
             random_fully: true,
         }
@@ -270,6 +282,15 @@ impl Ipset {
     }
 }
 
+/// Where a render took the node's addresses from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NodeAddressSource {
+    /// The node's interfaces, outside `kube-ipvs0` ([`IpvsRenderOptions::node_addresses`]).
+    Interfaces,
+    /// The Node object's addresses, or `--node-ip`: a stand-in without a host to ask.
+    NodeObject,
+}
+
 /// The IPVS timeouts of `ipvsadm --set` (0: leave the kernel's value).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct IpvsTimeouts {
@@ -289,6 +310,12 @@ pub struct IpvsRuleset {
     /// Addresses bound to kube-ipvs0 (each as a /32 or /128), sorted: every ClusterIP, and the
     /// externalIPs and load-balancer IPs that are not already addresses of the node.
     pub bound_addresses: Vec<IpAddr>,
+    /// The addresses NodePort virtual servers go on (whether or not a Service has a NodePort),
+    /// sorted.
+    pub node_port_addresses: Vec<IpAddr>,
+    /// Where the node's addresses came from: its interfaces (the daemon), or the Node object
+    /// (`kube-proxy render`).
+    pub node_addresses_from: NodeAddressSource,
     /// Every set, in upstream's order (all of them exist even when empty).
     pub ipsets: Vec<Ipset>,
     /// Jump rules in the order they end up in each built-in chain (first = evaluated first).
@@ -401,6 +428,21 @@ impl IpvsRuleset {
         for a in &self.bound_addresses {
             let _ = writeln!(s, "#   {a}");
         }
+        match self.node_addresses_from {
+            NodeAddressSource::Interfaces => {
+                let _ = writeln!(s, "# NodePort addresses (the node's interfaces):");
+            }
+            NodeAddressSource::NodeObject => {
+                let _ = writeln!(
+                    s,
+                    "# NodePort addresses, from the Node object here (the daemon uses the node's interface"
+                );
+                let _ = writeln!(s, "#   addresses outside {DUMMY_DEVICE}, as upstream):");
+            }
+        }
+        for a in &self.node_port_addresses {
+            let _ = writeln!(s, "#   {a}");
+        }
         s.push_str("# ipvsadm -Ln\n");
         s.push_str(&self.ipvsadm_list());
         s.push_str("# ipset restore -exist input\n");
@@ -427,17 +469,24 @@ fn protocol_number(p: Protocol) -> u8 {
     }
 }
 
-/// Addresses the node has besides kube-ipvs0, as upstream collects them: loopback and IPv6
-/// link-local addresses do not count.
-fn node_addresses(node: &NodeInfo, family: IpFamily) -> Vec<IpAddr> {
+/// The node's addresses of `family`, once each, in the order given: the listed interface
+/// addresses, or the Node object's when there is no list.
+fn listed_addresses(state: &ProxyState, opts: &IpvsRenderOptions, family: IpFamily) -> Vec<IpAddr> {
+    let listed: &[IpAddr] = opts.node_addresses.as_deref().unwrap_or(&state.node.addresses);
     let mut out: Vec<IpAddr> = Vec::new();
-    for ip in node.addresses.iter().copied().filter(|ip| family.contains(ip)) {
-        let link_local = matches!(ip, IpAddr::V6(v6) if v6.is_unicast_link_local());
-        if !ip.is_loopback() && !link_local && !out.contains(&ip) {
+    for ip in listed.iter().copied().filter(|ip| family.contains(ip)) {
+        if !out.contains(&ip) {
             out.push(ip);
         }
     }
     out
+}
+
+/// Whether upstream counts a local address as the node's (its netlink handle's filter for
+/// address sets): loopback and IPv6 link-local addresses do not count.
+fn counts_as_node_address(ip: &IpAddr) -> bool {
+    let link_local = matches!(ip, IpAddr::V6(v6) if v6.is_unicast_link_local());
+    !ip.is_loopback() && !link_local
 }
 
 /// hash:ip,port,net sets cannot hold a zero-length prefix, so `0.0.0.0/0` (or `::/0`) is
@@ -550,13 +599,23 @@ pub fn render(state: &ProxyState, opts: &IpvsRenderOptions) -> IpvsRuleset {
     let node_ip = state.node.primary_ip(family);
     let zone = state.node.zone();
     let npa = NodePortAddresses::new(family, &opts.node_port_addresses, node_ip);
-    let node_addrs = node_addresses(&state.node, family);
-    // NodePort virtual servers go on every node address, or on those nodePortAddresses select.
-    let node_port_ips: Vec<IpAddr> = if npa.match_all() {
+    let listed = listed_addresses(state, opts, family);
+    // Upstream's set of node addresses: they keep externalIPs and load-balancer IPs off
+    // kube-ipvs0, and by default they all carry NodePorts.
+    let node_addrs: Vec<IpAddr> = listed.iter().copied().filter(counts_as_node_address).collect();
+    // With nodePortAddresses, upstream selects from every interface address but loopback (an
+    // IPv6 link-local one too, if a CIDR covers it). Unlike upstream, never from kube-ipvs0's:
+    // upstream's list holds whatever kube-ipvs0 held when it listed, so a CIDR covering the
+    // Service range would put NodePorts on the ClusterIPs bound before that sync.
+    let mut node_port_ips: Vec<IpAddr> = if npa.match_all() {
         node_addrs.clone()
     } else {
-        npa.node_ips(&node_addrs)
+        npa.node_ips(&listed)
+            .into_iter()
+            .filter(|ip| !ip.is_loopback())
+            .collect()
     };
+    node_port_ips.sort();
     let scheduler = if opts.scheduler.is_empty() {
         DEFAULT_SCHEDULER.to_string()
     } else {
@@ -735,6 +794,12 @@ pub fn render(state: &ProxyState, opts: &IpvsRenderOptions) -> IpvsRuleset {
         family,
         virtual_servers: b.servers.into_values().collect(),
         bound_addresses: b.bound.into_iter().collect(),
+        node_port_addresses: node_port_ips,
+        node_addresses_from: if opts.node_addresses.is_some() {
+            NodeAddressSource::Interfaces
+        } else {
+            NodeAddressSource::NodeObject
+        },
         ipsets,
         jumps: jump_rules(),
         restore,
@@ -1545,6 +1610,77 @@ COMMIT
             );
             assert_eq!(rs.virtual_servers[0].sched_flags, 0, "{sched}");
         }
+    }
+
+    #[test]
+    fn node_ports_on_the_listed_interface_addresses() {
+        // The Node object says 192.168.49.2 and 172.16.0.9; the interfaces hold 192.168.49.2,
+        // a second address, loopback and IPv6 ones.
+        let mut p = node_port(svc1(Protocol::Tcp), 3001);
+        p.external_ips = vec![ip("10.0.2.15"), ip("172.16.0.9")];
+        let st = state(
+            &["192.168.49.2", "172.16.0.9"],
+            vec![(p, vec![ep("10.180.0.1", 80, false)])],
+        );
+        let listed = vec![
+            ip("127.0.0.1"),
+            ip("192.168.49.2"),
+            ip("10.0.2.15"),
+            ip("::1"),
+            ip("fe80::1"),
+            ip("169.254.3.3"),
+            ip("192.168.49.2"),
+        ];
+        let opts = IpvsRenderOptions {
+            node_addresses: Some(listed.clone()),
+            ..IpvsRenderOptions::default()
+        };
+        let rs = render(&st, &opts);
+        // Loopback never; IPv4 link-local counts (upstream filters IPv6 link-local only).
+        assert_eq!(
+            rs.node_port_addresses,
+            [ip("10.0.2.15"), ip("169.254.3.3"), ip("192.168.49.2")]
+        );
+        for a in ["10.0.2.15", "169.254.3.3", "192.168.49.2"] {
+            assert_eq!(dests(&rs, Protocol::Tcp, a, 3001), ["10.180.0.1:80/1"], "{a}");
+        }
+        assert!(rs.virtual_server(Protocol::Tcp, ip("172.16.0.9"), 3001).is_none());
+        // An externalIP on an interface stays off kube-ipvs0; the Node object's other address
+        // is no interface's, so it is bound.
+        assert_eq!(rs.bound_addresses, [ip("10.20.30.41"), ip("172.16.0.9")]);
+        assert_eq!(rs.node_addresses_from, NodeAddressSource::Interfaces);
+        assert!(
+            rs.to_text()
+                .contains("# NodePort addresses (the node's interfaces):\n#   10.0.2.15\n")
+        );
+
+        // `primary` is the Node's primary IP, as a CIDR over the interface addresses.
+        let primary = IpvsRenderOptions {
+            node_port_addresses: vec!["primary".into()],
+            ..opts.clone()
+        };
+        assert_eq!(render(&st, &primary).node_port_addresses, [ip("192.168.49.2")]);
+        let elsewhere = state(&["172.16.0.9"], vec![(node_port(svc1(Protocol::Tcp), 3001), vec![])]);
+        assert!(
+            render(&elsewhere, &primary).node_port_addresses.is_empty(),
+            "the primary IP is on no interface"
+        );
+        // A CIDR selects from every listed address but loopback.
+        let cidrs = IpvsRenderOptions {
+            node_port_addresses: vec!["127.0.0.0/8".into(), "169.254.0.0/16".into()],
+            ..opts.clone()
+        };
+        assert_eq!(render(&st, &cidrs).node_port_addresses, [ip("169.254.3.3")]);
+    }
+
+    #[test]
+    fn render_without_a_host_says_it_used_the_node_object() {
+        let st = state(&["192.168.49.2"], vec![(node_port(svc1(Protocol::Tcp), 3001), vec![])]);
+        let rs = render(&st, &IpvsRenderOptions::default());
+        assert_eq!(rs.node_addresses_from, NodeAddressSource::NodeObject);
+        assert_eq!(rs.node_port_addresses, [ip("192.168.49.2")]);
+        let text = rs.to_text();
+        assert!(text.contains("from the Node object here"), "{text}");
     }
 
     #[test]
