@@ -154,7 +154,10 @@ pub fn install_runner(cache: &Path) -> Result<PathBuf, VmError> {
     let failed =
         |what: &str, path: &Path, e: std::io::Error| VmError::Failed(format!("cannot {what} {}: {e}", path.display()));
     std::fs::create_dir_all(cache).map_err(|e| failed("create", cache, e))?;
-    let tmp = cache.join(format!(".runner-{key}-{}", std::process::id()));
+    // Unique per call: tests run in threads of one process, and another process may race too.
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = cache.join(format!(".runner-{key}-{}-{n}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir(&tmp).map_err(|e| failed("create", &tmp, e))?;
     for (name, text) in SCRIPTS {
@@ -383,6 +386,22 @@ mod tests {
     use std::os::unix::process::ExitStatusExt;
 
     use super::*;
+
+    #[test]
+    fn concurrent_installs_in_one_process_all_succeed() {
+        let cache = std::env::temp_dir().join(format!("kp-vm-install-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&cache);
+        let threads: Vec<_> = (0..8)
+            .map(|_| {
+                let cache = cache.clone();
+                std::thread::spawn(move || install_runner(&cache))
+            })
+            .collect();
+        let runs: Vec<_> = threads.into_iter().map(|t| t.join().expect("no panic")).collect();
+        let _ = std::fs::remove_dir_all(&cache);
+        let paths: Vec<PathBuf> = runs.into_iter().map(|r| r.expect("installed")).collect();
+        assert!(paths.windows(2).all(|w| w[0] == w[1]), "{paths:?}");
+    }
 
     #[test]
     fn runner_failures_are_told_apart_from_the_commands_exit_code() {
