@@ -223,7 +223,7 @@ struct ProxyFlags {
     #[arg(long, global = true, hide = true, allow_hyphen_values = true)]
     proxy_port_range: Option<String>,
 
-    /// iptables (default), ipvs or nftables (this build runs iptables only).
+    /// iptables (default), ipvs or nftables.
     #[arg(
         long,
         global = true,

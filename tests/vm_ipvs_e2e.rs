@@ -360,7 +360,9 @@ mod in_vm {
         assert!(!out.status.success(), "must refuse: {stderr}");
         assert!(
             stderr.contains("kernel module ip_vs_lblcr") && stderr.contains("modprobe ip_vs_lblcr`"),
-            "{stderr}"
+            "{:?}, stdout {:?}, stderr {stderr}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout)
         );
         assert!(!node.ipvsadm(&["-Ln"]).contains("TCP "), "nothing programmed");
         let unhide = "for f in $(find /lib/modules/$(uname -r) -name 'ip_vs_lblcr.ko*.hidden'); do mv \"$f\" \"${f%.hidden}\"; done";
