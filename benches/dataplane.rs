@@ -40,14 +40,19 @@
 //! IP family it programs (polled, 900 s deadline), VmRSS and VmHWM are read from
 //! `/proc/PID/status` (the daemon only, not its `iptables-restore`/`nft` children), with the
 //! time from start to that point. The target of the issue: ≤ 64 MiB at 10,000 × 10 in
-//! nftables mode.
+//! nftables mode. Then `LIVE_CHANGES` times (2.5 s apart, beyond the minimum sync period and
+//! the deletion of stale chains) one endpoint address in one manifest file is replaced (write
+//! to a temporary file, rename over): the time from the rename until the daemon logs its next
+//! IPv4 `Synced rules` line is the whole path of a change (inotify, re-reading the directory,
+//! parsing the changed file, converting, building the state, the sync), printed as p50/max,
+//! with VmRSS after the changes.
 //!
 //! Environment (all optional):
 //! - `SERVICES` (default `1000,10000,30000`), `ENDPOINTS` (default 1, at most 250),
 //!   `MODES` (default `iptables,nftables`), `CONNECTS` (default 2000), `WARMUP` (default 100),
 //!   `REPS` (default 5: runs per server and case; the table shows the median of the runs'
 //!   p50s and p99s, as FLOOR.md does, and the sum of their errors);
-//! - `RSS_SERVICES` (default 10000), `RSS_ENDPOINTS` (default 10);
+//! - `RSS_SERVICES` (default 10000), `RSS_ENDPOINTS` (default 10), `LIVE_CHANGES` (default 10);
 //! - `PARTS` (default `latency,rss`): which parts to run.
 //!
 //! Deterministic inputs (the synthetic cluster); the timings are what they are on the machine.
@@ -155,6 +160,10 @@ fn thousands(n: usize) -> String {
 
 fn secs(d: Duration) -> String {
     format!("{:.1} s", d.as_secs_f64())
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.0} ms", d.as_secs_f64() * 1e3)
 }
 
 static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
@@ -710,6 +719,50 @@ struct RssRow {
     hwm_kib: u64,
     to_synced: Duration,
     sync_ms: String,
+    /// Manifest change → next IPv4 sync logged, sorted.
+    live: Vec<Duration>,
+    rss_after_kib: u64,
+}
+
+/// The IPv4 `Synced rules` lines of a log.
+fn ipv4_syncs(log: &str) -> usize {
+    log.lines()
+        .filter(|l| l.contains("\"Synced rules\"") && field(l, "ipFamily") == Some("IPv4"))
+        .count()
+}
+
+/// Replaces the first endpoint address of `file` by `new_ip` (atomically: temporary + rename).
+fn change_one_endpoint(file: &Path, new_ip: &str) {
+    let text = std::fs::read_to_string(file).expect("read a manifest");
+    let start = text.find("- addresses: [\"").expect("an endpoint") + "- addresses: [\"".len();
+    let end = start + text[start..].find('"').expect("a quoted address");
+    let changed = format!("{}{new_ip}{}", &text[..start], &text[end..]);
+    let tmp = file.with_extension("tmp");
+    std::fs::write(&tmp, changed).expect("write the changed manifest");
+    std::fs::rename(&tmp, file).expect("rename it into place");
+}
+
+/// `n` live endpoint changes, each timed from the rename to the daemon's next IPv4 sync.
+fn live_changes(daemon: &ChildGuard, dir: &Path, files: usize, n: usize) -> Vec<Duration> {
+    // New addresses across runs too: writing what a file already holds is no change at all.
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let mut times = Vec::new();
+    for _ in 0..n {
+        let k = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        std::thread::sleep(Duration::from_millis(2500)); // spacing, not synchronisation
+        let before = ipv4_syncs(&daemon.log());
+        let file = dir.join(format!("svc-{:04}.yaml", k % (files - 1)));
+        let t = Instant::now();
+        change_one_endpoint(&file, &format!("10.255.{}.{}", k / 250, k % 250 + 1));
+        let deadline = t + Duration::from_secs(60);
+        while ipv4_syncs(&daemon.log()) == before {
+            assert!(Instant::now() < deadline, "no sync after a change:\n{}", daemon.log());
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        times.push(t.elapsed());
+    }
+    times.sort();
+    times
 }
 
 /// Polls the daemon's log until it synced every family; the IPv4 `Synced rules` line.
@@ -742,7 +795,7 @@ fn wait_first_sync(daemon: &mut ChildGuard, families: &BTreeSet<&str>, services:
     }
 }
 
-fn rss_case(mode: Mode, dir: &Path, services: usize) -> RssRow {
+fn rss_case(mode: Mode, dir: &Path, services: usize, files: usize, changes: usize) -> RssRow {
     println!("[daemon RSS, {} mode]", mode.as_str());
     let ns = Netns::create(&format!("kpdp-{}-rss-{}", std::process::id(), mode.as_str())).expect("a namespace");
     let args = [
@@ -778,6 +831,16 @@ fn rss_case(mode: Mode, dir: &Path, services: usize) -> RssRow {
         mib(hwm_kib)
     ));
     progress(format!("its log: {}", line.trim()));
+    let live = live_changes(&daemon, dir, files, changes);
+    let (rss_after_kib, _) = self::rss_kib(pid);
+    if let (Some(first), Some(last)) = (live.first(), live.last()) {
+        progress(format!(
+            "{changes} live endpoint changes: manifest rename -> IPv4 sync logged in {} .. {}; VmRSS {} MiB",
+            ms(*first),
+            ms(*last),
+            mib(rss_after_kib)
+        ));
+    }
     drop(daemon);
     drop(ns);
     RssRow {
@@ -786,6 +849,8 @@ fn rss_case(mode: Mode, dir: &Path, services: usize) -> RssRow {
         hwm_kib,
         to_synced,
         sync_ms,
+        live,
+        rss_after_kib,
     }
 }
 
@@ -800,8 +865,8 @@ fn print_rss(rows: &[RssRow], services: usize, endpoints: usize, files: usize) {
         thousands(services)
     );
     println!(
-        "{:<10} {:>12} {:>12} {:>16} {:>14}",
-        "mode", "VmRSS MiB", "VmHWM MiB", "start->synced", "sync elapsed"
+        "{:<10} {:>12} {:>12} {:>16} {:>14} {:>22} {:>16}",
+        "mode", "VmRSS MiB", "VmHWM MiB", "start->synced", "sync elapsed", "change live p50 / max", "VmRSS after MiB"
     );
     for r in rows {
         let target = if r.mode == Mode::Nftables {
@@ -815,13 +880,19 @@ fn print_rss(rows: &[RssRow], services: usize, endpoints: usize, files: usize) {
         } else {
             ""
         };
+        let live = match (r.live.get(r.live.len() / 2), r.live.last()) {
+            (Some(p50), Some(max)) => format!("{} / {}", ms(*p50), ms(*max)),
+            _ => "-".to_string(),
+        };
         println!(
-            "{:<10} {:>12} {:>12} {:>16} {:>11} ms{target}",
+            "{:<10} {:>12} {:>12} {:>16} {:>11} ms {:>22} {:>16}{target}",
             r.mode.as_str(),
             mib(r.rss_kib),
             mib(r.hwm_kib),
             secs(r.to_synced),
-            r.sync_ms
+            r.sync_ms,
+            live,
+            mib(r.rss_after_kib)
         );
     }
 }
@@ -850,6 +921,7 @@ fn main() {
     let c = Connects { warmup, connects, reps };
     let rss_services = env_usize("RSS_SERVICES", 10_000);
     let rss_endpoints = env_usize("RSS_ENDPOINTS", 10);
+    let live_changes_n = env_usize("LIVE_CHANGES", 10);
     let parts = env_list("PARTS", "latency,rss");
     START.get_or_init(Instant::now);
     assert!(
@@ -890,7 +962,10 @@ fn main() {
             "{files} files in {} (read back: same model)",
             dir.path().display()
         ));
-        let rss: Vec<RssRow> = modes.iter().map(|&m| rss_case(m, dir.path(), rss_services)).collect();
+        let rss: Vec<RssRow> = modes
+            .iter()
+            .map(|&m| rss_case(m, dir.path(), rss_services, files, live_changes_n))
+            .collect();
         if !rows.is_empty() {
             print_latency(&rows, endpoints, &c);
         }

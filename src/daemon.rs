@@ -528,10 +528,17 @@ fn health_check_addresses(_cfg: &ProxyConfig) -> Vec<std::net::IpAddr> {
 }
 
 fn reload(src: &mut ManifestSource) -> Store {
+    let start = Instant::now();
     let snapshot = src.reload();
     for m in &snapshot.messages {
         warn!("{m}");
     }
+    debug!(
+        services = snapshot.store.services.len(),
+        slices = snapshot.store.slices.len(),
+        elapsed_ms = start.elapsed().as_secs_f64() * 1000.0,
+        "Read the manifests"
+    );
     snapshot.store
 }
 
@@ -574,7 +581,9 @@ fn sync_family(
     builder: &mut StateBuilder,
 ) -> Result<(ProxyState, SyncReport), bool> {
     let node = app::node_info_from(&objects.nodes, cfg);
+    let start = Instant::now();
     let state = builder.build(objects, &node, p.family);
+    debug!(ip_family = %p.family, elapsed_ms = start.elapsed().as_secs_f64() * 1000.0, "Built the state");
     for w in &state.warnings {
         warn!(ip_family = %p.family, "{w}");
     }

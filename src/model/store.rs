@@ -260,13 +260,39 @@ fn changed_keys<'a, T: PartialEq>(
     old: &'a BTreeMap<ObjectName, Arc<T>>,
     new: &'a BTreeMap<ObjectName, Arc<T>>,
 ) -> Vec<&'a ObjectName> {
-    let mut out: Vec<&ObjectName> = new
-        .iter()
-        .filter(|(k, v)| old.get(*k).is_none_or(|o| !Arc::ptr_eq(o, v) && o != *v))
-        .map(|(k, _)| k)
-        .collect();
-    out.extend(old.keys().filter(|k| !new.contains_key(*k)));
-    out
+    // One walk over both maps in key order (no lookups: this runs on every change).
+    let mut out = Vec::new();
+    let (mut a, mut b) = (old.iter().peekable(), new.iter().peekable());
+    loop {
+        match (a.peek(), b.peek()) {
+            (None, None) => return out,
+            (Some((k, _)), None) => {
+                out.push(*k);
+                a.next();
+            }
+            (None, Some((k, _))) => {
+                out.push(*k);
+                b.next();
+            }
+            (Some((ka, va)), Some((kb, vb))) => match ka.cmp(kb) {
+                std::cmp::Ordering::Less => {
+                    out.push(*ka);
+                    a.next();
+                }
+                std::cmp::Ordering::Greater => {
+                    out.push(*kb);
+                    b.next();
+                }
+                std::cmp::Ordering::Equal => {
+                    if !Arc::ptr_eq(va, vb) && va != vb {
+                        out.push(*kb);
+                    }
+                    a.next();
+                    b.next();
+                }
+            },
+        }
+    }
 }
 
 /// ServiceCIDRs of `family` (nftables mode's cluster-ips check).
