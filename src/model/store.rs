@@ -127,6 +127,9 @@ struct FamilyCache {
     services: BTreeMap<ObjectName, (Vec<Arc<ServicePortState>>, Vec<String>)>,
     /// Services changed since this family was last built.
     dirty: BTreeSet<ObjectName>,
+    /// Built at least once: until then nothing is tracked (a family the node never builds
+    /// must not collect changes forever), and the first build merges every Service.
+    built: bool,
 }
 
 impl Default for StateBuilder {
@@ -176,7 +179,7 @@ impl StateBuilder {
                 }
             }
         }
-        for cache in &mut self.families {
+        for cache in self.families.iter_mut().filter(|c| c.built) {
             cache.dirty.extend(dirty.iter().cloned());
         }
         self.last = store.clone();
@@ -186,6 +189,10 @@ impl StateBuilder {
     pub fn build(&mut self, store: &Store, node: &NodeInfo, family: IpFamily) -> ProxyState {
         self.advance(store);
         let cache = &mut self.families[usize::from(family == IpFamily::V6)];
+        if !cache.built {
+            cache.built = true;
+            cache.dirty = store.services.keys().cloned().collect();
+        }
         for svc in std::mem::take(&mut cache.dirty) {
             let ports = store.services.get(&svc).map_or(&[][..], |e| e.ports(family));
             if ports.is_empty() {
@@ -391,6 +398,30 @@ mod tests {
         let c = none.changes_since(&a);
         assert_eq!((c.services, c.slices), (1, 1), "deletions count");
         assert!(c.triggers.is_empty(), "a deleted slice has no trigger time");
+    }
+
+    #[test]
+    fn a_family_built_late_is_complete_and_an_unbuilt_one_tracks_nothing() {
+        let node = NodeInfo {
+            name: "node-a".into(),
+            ..NodeInfo::default()
+        };
+        let dual = WEB.replace(
+            "clusterIP: 10.96.0.1,",
+            "clusterIP: 10.96.0.1, clusterIPs: [10.96.0.1, \"fd00::1\"],",
+        ) + "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: web-6\n  namespace: d\n  labels: {kubernetes.io/service-name: web}\naddressType: IPv6\nports: [{name: \"\", port: 8080}]\nendpoints:\n- {addresses: [\"fd00:10::1\"]}\n";
+        let mut builder = StateBuilder::new();
+        builder.build(&Store::from_objects(&objects(WEB), "node-a"), &node, IpFamily::V4);
+        let store = Store::from_objects(&objects(&dual), "node-a");
+        builder.build(&store, &node, IpFamily::V4);
+        assert!(
+            builder.families[1].dirty.is_empty(),
+            "IPv6 was never built: nothing tracked"
+        );
+        let v6 = builder.build(&store, &node, IpFamily::V6);
+        assert_eq!(v6.service_ports, store.state(&node, IpFamily::V6).service_ports);
+        assert_eq!(v6.service_ports.len(), 1);
+        assert_eq!(v6.service_ports[0].endpoints.len(), 1);
     }
 
     #[test]
