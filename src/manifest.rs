@@ -56,35 +56,6 @@ impl Objects {
         self.warnings.extend(other.warnings);
         self.failed.extend(other.failed);
     }
-
-    /// For every object of `self.failed`, brings back its version from `previous` if it had
-    /// one, so that a bad edit never deletes a working object. Returns the keys kept.
-    pub fn keep_previous_versions(&mut self, previous: &Objects) -> Vec<ObjectKey> {
-        fn find<T: k8s_openapi::Metadata<Ty = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta> + Clone>(
-            list: &[T],
-            key: &ObjectKey,
-        ) -> Option<T> {
-            list.iter()
-                .find(|o| {
-                    o.metadata().name.as_deref() == Some(key.name.as_str()) && o.metadata().namespace == key.namespace
-                })
-                .cloned()
-        }
-        let mut kept = Vec::new();
-        for key in self.failed.clone() {
-            let found = match key.kind.as_str() {
-                "Service" => find(&previous.services, &key).map(|o| self.services.push(o)),
-                "EndpointSlice" => find(&previous.endpoint_slices, &key).map(|o| self.endpoint_slices.push(o)),
-                "Node" => find(&previous.nodes, &key).map(|o| self.nodes.push(o)),
-                "ServiceCIDR" => find(&previous.service_cidrs, &key).map(|o| self.service_cidrs.push(o)),
-                _ => None,
-            };
-            if found.is_some() {
-                kept.push(key);
-            }
-        }
-        kept
-    }
 }
 
 /// Identifies an object across reloads.

@@ -16,7 +16,7 @@ use k8s_openapi::api::networking::v1::ServiceCIDR;
 use notify::{RecursiveMode, Watcher};
 
 use crate::manifest::{self, ObjectKey, Objects};
-use crate::model::store::{ObjectName, Store, object_name};
+use crate::model::store::{self, ObjectName, Store, object_name};
 use crate::model::{ServiceEntry, SliceEntry};
 
 /// Reloads a manifest directory, remembering the last good content of every file, converted.
@@ -45,12 +45,12 @@ impl FileEntries {
             services: objects
                 .services
                 .iter()
-                .map(|s| (object_name(&s.metadata), Arc::new(ServiceEntry::from_service(s))))
+                .map(|s| (object_name(&s.metadata), store::service_entry(s)))
                 .collect(),
             slices: objects
                 .endpoint_slices
                 .iter()
-                .map(|s| (object_name(&s.metadata), Arc::new(SliceEntry::from_slice(s, node_name))))
+                .map(|s| (object_name(&s.metadata), store::slice_entry(s, node_name)))
                 .collect(),
             nodes: objects.nodes.clone(),
             service_cidrs: objects.service_cidrs.clone(),

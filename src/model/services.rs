@@ -122,8 +122,6 @@ pub(crate) fn sort_and_dedup(ports: &mut Vec<ServicePort>, warnings: &mut Vec<St
 pub struct ServiceEntry {
     /// IPv4 ports and warnings, then IPv6.
     families: [(Vec<ServicePort>, Vec<String>); 2],
-    /// Whether any cluster IP of the Service is IPv4 / IPv6 (to choose families to render).
-    pub(crate) cluster_ip_families: [bool; 2],
 }
 
 impl ServiceEntry {
@@ -134,16 +132,8 @@ impl ServiceEntry {
             ports.shrink_to_fit();
             (ports, warnings)
         };
-        let mut cluster_ip_families = [false; 2];
-        if let Some(spec) = &svc.spec {
-            let ips = spec.cluster_ips.iter().flatten().chain(spec.cluster_ip.iter());
-            for ip in ips.filter_map(|ip| parse_ip(ip)) {
-                cluster_ip_families[family_index(IpFamily::of(&ip))] = true;
-            }
-        }
         ServiceEntry {
             families: [convert(IpFamily::V4), convert(IpFamily::V6)],
-            cluster_ip_families,
         }
     }
 

@@ -97,12 +97,6 @@ impl Store {
             triggers,
         }
     }
-
-    /// Whether any Service has a cluster IP of `family` (to choose the families to render).
-    pub fn uses_family(&self, family: IpFamily) -> bool {
-        let i = usize::from(family == IpFamily::V6);
-        self.services.values().any(|s| s.cluster_ip_families[i])
-    }
 }
 
 /// Builds the state of one family from successive snapshots of a store, merging again only
@@ -382,7 +376,6 @@ mod tests {
             ]
         );
         assert!(store.state(&node, IpFamily::V6).service_ports.is_empty());
-        assert!(store.uses_family(IpFamily::V4) && !store.uses_family(IpFamily::V6));
     }
 
     #[test]
