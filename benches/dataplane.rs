@@ -68,7 +68,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kube_proxy::config::LocalDetector;
-use kube_proxy::iptables::RenderOptions;
+use kube_proxy::iptables::IptablesRenderOptions;
 use kube_proxy::iptables::exec::Exec;
 use kube_proxy::iptables::proxier::Proxier;
 use kube_proxy::lab::netns::{ChildGuard, Netns};
@@ -76,6 +76,7 @@ use kube_proxy::lab::scenario::NODE;
 use kube_proxy::lab::testbed::{POD_CIDR, Testbed, TestbedSpec};
 use kube_proxy::model::{Endpoint, IpFamily, NodeInfo, ProxyState, build_state, synthetic};
 use kube_proxy::nftables::proxier::NftProxier;
+use kube_proxy::proxy::RenderOptions;
 use nix::libc;
 use nix::sys::socket::{Backlog, setsockopt, sockopt};
 use nix::{setsockopt_impl, sockopt_impl};
@@ -496,10 +497,16 @@ fn latency_case(mode: Mode, services: usize, endpoints: usize, c: &Connects) -> 
     let node = bed.node.name().to_string();
     let t = Instant::now();
     let result = in_netns(&node, || match mode {
-        Mode::Iptables => Proxier::new(Exec::new(IpFamily::V4), opts())
-            .sync(&state)
-            .map(|r| r.full)
-            .map_err(|e| e.to_string()),
+        Mode::Iptables => Proxier::new(
+            Exec::new(IpFamily::V4),
+            IptablesRenderOptions {
+                common: opts(),
+                ..IptablesRenderOptions::default()
+            },
+        )
+        .sync(&state)
+        .map(|r| r.full)
+        .map_err(|e| e.to_string()),
         Mode::Nftables => NftProxier::netlink(IpFamily::V4, opts())
             .map_err(|e| e.to_string())?
             .sync(&state)

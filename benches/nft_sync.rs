@@ -23,11 +23,11 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kube_proxy::config::LocalDetector;
-use kube_proxy::iptables::RenderOptions;
 use kube_proxy::model::{IpFamily, ProxyState, synthetic};
 use kube_proxy::nftables::ast::Transaction;
 use kube_proxy::nftables::proxier::{NftBackend, NftCommand, NftError, NftProxier};
 use kube_proxy::nftables::render_transaction;
+use kube_proxy::proxy::RenderOptions;
 use nix::sched::{CloneFlags, unshare};
 
 fn env(name: &str, default: &str) -> String {

@@ -8,9 +8,10 @@
 use std::time::{Duration, Instant};
 
 use kube_proxy::config::LocalDetector;
-use kube_proxy::iptables::{RenderOptions, render};
+use kube_proxy::iptables::{IptablesRenderOptions, render};
 use kube_proxy::manifest::Objects;
 use kube_proxy::model::{IpFamily, ProxyState, StateBuilder, Store, store, synthetic};
+use kube_proxy::proxy::RenderOptions;
 
 /// The synthetic state as the Services and EndpointSlices that describe it.
 fn objects(state: &ProxyState) -> Objects {
@@ -48,9 +49,12 @@ fn median(mut times: Vec<Duration>) -> f64 {
 }
 
 fn main() {
-    let opts = RenderOptions {
-        local_detector: LocalDetector::Cidr("10.244.0.0/16".into()),
-        ..RenderOptions::default()
+    let opts = IptablesRenderOptions {
+        common: RenderOptions {
+            local_detector: LocalDetector::Cidr("10.244.0.0/16".into()),
+            ..RenderOptions::default()
+        },
+        ..IptablesRenderOptions::default()
     };
     println!(
         "{:<22} {:>12} {:>12} {:>12} {:>12} {:>12} {:>12}",

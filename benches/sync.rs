@@ -17,8 +17,9 @@ use std::time::{Duration, Instant};
 use kube_proxy::config::LocalDetector;
 use kube_proxy::iptables::exec::{Exec, Fake};
 use kube_proxy::iptables::proxier::Proxier;
-use kube_proxy::iptables::{RenderOptions, render};
+use kube_proxy::iptables::{IptablesRenderOptions, render};
 use kube_proxy::model::{IpFamily, synthetic};
+use kube_proxy::proxy::RenderOptions;
 use nix::sched::{CloneFlags, unshare};
 
 fn env(name: &str, default: usize) -> usize {
@@ -29,10 +30,13 @@ fn fresh_namespace() {
     unshare(CloneFlags::CLONE_NEWNET).expect("unshare(CLONE_NEWNET) needs root");
 }
 
-fn opts() -> RenderOptions {
-    RenderOptions {
-        local_detector: LocalDetector::Cidr("10.244.0.0/16".into()),
-        ..RenderOptions::default()
+fn opts() -> IptablesRenderOptions {
+    IptablesRenderOptions {
+        common: RenderOptions {
+            local_detector: LocalDetector::Cidr("10.244.0.0/16".into()),
+            ..RenderOptions::default()
+        },
+        ..IptablesRenderOptions::default()
     }
 }
 

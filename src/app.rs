@@ -4,7 +4,7 @@
 use std::net::IpAddr;
 
 use crate::config::ProxyConfig;
-use crate::iptables::{self, RenderOptions, Ruleset};
+use crate::iptables::{self, IptablesRenderOptions, Ruleset};
 use crate::manifest::Objects;
 use crate::model::{IpFamily, NodeInfo, ProxyState, build_state};
 
@@ -12,7 +12,7 @@ use crate::model::{IpFamily, NodeInfo, ProxyState, build_state};
 #[derive(Clone, Debug)]
 pub struct FamilyRules {
     pub state: ProxyState,
-    pub options: RenderOptions,
+    pub options: IptablesRenderOptions,
     pub ruleset: Ruleset,
 }
 
@@ -70,7 +70,7 @@ pub fn render_iptables(objects: &Objects, cfg: &ProxyConfig, families: &[IpFamil
         .iter()
         .map(|&family| {
             let state = build_state(objects, &node, family);
-            let options = RenderOptions::from_config(cfg, family, &state.node);
+            let options = IptablesRenderOptions::from_config(cfg, family, &state.node);
             let ruleset = iptables::render(&state, &options);
             FamilyRules {
                 state,

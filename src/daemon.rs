@@ -21,10 +21,9 @@ use crate::config::{ProxyConfig, ProxyMode};
 use crate::conntrack::{self, UdpServices};
 use crate::healthz::ProxyHealth;
 use crate::http::{self, ServiceHealthServers, ServiceKey};
+use crate::iptables::IptablesRenderOptions;
 use crate::iptables::exec::Exec;
-use crate::iptables::proxier::SyncReport;
 use crate::iptables::proxier::{Proxier, cleanup};
-use crate::iptables::render::{NodePortAddresses, RenderOptions};
 use crate::ipvs::host::HostExec;
 use crate::ipvs::netlink::IpvsHandle;
 use crate::ipvs::proxier::IpvsProxier;
@@ -33,6 +32,7 @@ use crate::kube_source::ApiSource;
 use crate::metrics::Metrics;
 use crate::model::{IpFamily, NodeInfo, ProxyState, StateBuilder, Store};
 use crate::nftables::{self, proxier::NftProxier};
+use crate::proxy::{NodePortAddresses, RenderOptions, SyncReport};
 use crate::source::{self, ManifestSource};
 
 /// Where Services, EndpointSlices and the Node come from.
@@ -96,9 +96,10 @@ enum Dataplane {
 impl Dataplane {
     fn new(cfg: &ProxyConfig, family: IpFamily, objects: &Store) -> anyhow::Result<Dataplane> {
         Ok(match cfg.mode {
-            ProxyMode::Nftables => {
-                Dataplane::Nftables(Box::new(NftProxier::netlink(family, options(cfg, family, objects))?))
-            }
+            ProxyMode::Nftables => Dataplane::Nftables(Box::new(NftProxier::netlink(
+                family,
+                nft_options(cfg, family, objects),
+            )?)),
             ProxyMode::Ipvs => {
                 let ipvs = IpvsHandle::new().context("IPVS mode")?;
                 Dataplane::Ipvs(Box::new(IpvsProxier::new(
@@ -154,7 +155,7 @@ impl Dataplane {
     fn set_options(&mut self, cfg: &ProxyConfig, family: IpFamily, objects: &Store) {
         match self {
             Dataplane::Iptables(p) => p.set_options(options(cfg, family, objects)),
-            Dataplane::Nftables(p) => p.set_options(options(cfg, family, objects)),
+            Dataplane::Nftables(p) => p.set_options(nft_options(cfg, family, objects)),
             Dataplane::Ipvs(p) => p.set_options(ipvs_options(cfg, family, objects)),
         }
     }
@@ -542,8 +543,12 @@ fn reload(src: &mut ManifestSource) -> Store {
     snapshot.store
 }
 
-fn options(cfg: &ProxyConfig, family: IpFamily, objects: &Store) -> RenderOptions {
-    let mut opts = RenderOptions::from_config(cfg, family, &app::node_info_from(&objects.nodes, cfg));
+fn nft_options(cfg: &ProxyConfig, family: IpFamily, objects: &Store) -> RenderOptions {
+    RenderOptions::from_config(cfg, family, &app::node_info_from(&objects.nodes, cfg))
+}
+
+fn options(cfg: &ProxyConfig, family: IpFamily, objects: &Store) -> IptablesRenderOptions {
+    let mut opts = IptablesRenderOptions::from_config(cfg, family, &app::node_info_from(&objects.nodes, cfg));
     opts.tcp_be_liberal = read_sysctl("net/netfilter/nf_conntrack_tcp_be_liberal").is_some_and(|v| v != "0");
     opts
 }
@@ -595,8 +600,8 @@ fn sync_family(
                 full = report.full,
                 services = state.service_ports.len(),
                 rewritten = report.rewritten_services,
-                deleted_chains = report.deleted_chains,
-                bytes = report.restore_bytes,
+                removed = report.removed_objects,
+                operations = report.operations,
                 elapsed_ms = report.elapsed.as_secs_f64() * 1000.0,
                 "Synced rules"
             );

@@ -25,5 +25,6 @@ pub mod manifest;
 pub mod metrics;
 pub mod model;
 pub mod nftables;
+pub mod proxy;
 pub mod source;
 pub mod vm;

@@ -11,10 +11,10 @@ use tracing::{info, warn};
 
 use kube_proxy::app;
 use kube_proxy::config::{Flags, LoggingFlags, ProxyConfig, ProxyMode};
-use kube_proxy::iptables::render::local_addresses;
 use kube_proxy::iptables::trace::{self, Packet, TraceContext};
 use kube_proxy::manifest;
 use kube_proxy::model::{IpFamily, Protocol};
+use kube_proxy::proxy::local_addresses;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -815,7 +815,7 @@ fn render(cfg: &ProxyConfig, args: RenderArgs) -> anyhow::Result<ExitCode> {
             for w in state.warnings.iter().filter(|w| reported.insert((*w).clone())) {
                 eprintln!("warning: {w}");
             }
-            let opts = kube_proxy::iptables::RenderOptions::from_config(cfg, *family, &node);
+            let opts = kube_proxy::proxy::RenderOptions::from_config(cfg, *family, &node);
             if i > 0 {
                 println!();
             }
@@ -891,7 +891,7 @@ fn trace_cmd(cfg: &ProxyConfig, args: TraceArgs) -> anyhow::Result<ExitCode> {
         for w in &state.warnings {
             eprintln!("warning: {w}");
         }
-        let opts = kube_proxy::iptables::RenderOptions::from_config(cfg, family, &node);
+        let opts = kube_proxy::proxy::RenderOptions::from_config(cfg, family, &node);
         let tx = kube_proxy::nftables::render::render_tx(&state, &opts, true);
         let table = kube_proxy::nftables::ruleset::Ruleset::from_transaction(&tx)
             .context("the rendered nftables transaction does not apply")?;

@@ -303,12 +303,18 @@ fn ipvs_kernel_accepts_every_ruleset() {
     }
     for opts in [
         IpvsRenderOptions {
-            masquerade_all: true,
+            common: kube_proxy::proxy::RenderOptions {
+                masquerade_all: true,
+                ..Default::default()
+            },
             scheduler: "mh".into(),
             ..IpvsRenderOptions::default()
         },
         IpvsRenderOptions {
-            local_detector: kube_proxy::config::LocalDetector::Bridge("cni0".into()),
+            common: kube_proxy::proxy::RenderOptions {
+                local_detector: kube_proxy::config::LocalDetector::Bridge("cni0".into()),
+                ..Default::default()
+            },
             random_fully: false,
             ..IpvsRenderOptions::default()
         },

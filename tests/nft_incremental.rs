@@ -11,12 +11,12 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use kube_proxy::config::LocalDetector;
-use kube_proxy::iptables::render::RenderOptions;
 use kube_proxy::model::{
     Endpoint, IpFamily, NodeInfo, Protocol, ProxyState, ServicePort, ServicePortName, ServicePortState,
 };
 use kube_proxy::nftables::proxier::{NftBackend, NftCommand, NftProxier};
 use kube_proxy::nftables::render_transaction;
+use kube_proxy::proxy::RenderOptions;
 use nix::sched::{CloneFlags, unshare};
 use serde_json::Value;
 

@@ -17,12 +17,12 @@ use std::time::Instant;
 
 use ipnet::IpNet;
 use kube_proxy::config::LocalDetector;
-use kube_proxy::iptables::render::RenderOptions;
 use kube_proxy::lab::netns::Netns;
 use kube_proxy::model::{IpFamily, NodeInfo, Protocol, ProxyState, build_state};
 use kube_proxy::nftables::ast::*;
 use kube_proxy::nftables::netlink::{AnonSetNames, NetlinkError, NftSocket, encode_with};
 use kube_proxy::nftables::render::render_tx;
+use kube_proxy::proxy::RenderOptions;
 
 // ---------------------------------------------------------------------------------------------
 // Namespaces and the two ways in

@@ -9,10 +9,10 @@ use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use kube_proxy::config::LocalDetector;
-use kube_proxy::iptables::render::RenderOptions;
 use kube_proxy::lab::netns::Netns;
 use kube_proxy::model::{IpFamily, NodeInfo, ProxyState, build_state};
 use kube_proxy::nftables::{render, render_transaction};
+use kube_proxy::proxy::RenderOptions;
 
 /// The `--cluster-cidr` of `family` from a scenario's flags, else the IPv4 default the brief
 /// of these tests uses (which the renderer ignores for IPv6).

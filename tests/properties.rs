@@ -6,10 +6,11 @@ use std::net::{IpAddr, Ipv4Addr};
 
 use ipnet::IpNet;
 use kube_proxy::config::LocalDetector;
-use kube_proxy::iptables::{RenderOptions, render};
+use kube_proxy::iptables::{IptablesRenderOptions, render};
 use kube_proxy::model::{
     Endpoint, Hints, IpFamily, NodeInfo, Protocol, ProxyState, ServicePort, ServicePortName, ServicePortState,
 };
+use kube_proxy::proxy::RenderOptions;
 use proptest::prelude::*;
 
 fn endpoint() -> impl Strategy<Value = Endpoint> {
@@ -116,20 +117,22 @@ fn state() -> impl Strategy<Value = ProxyState> {
     })
 }
 
-fn options() -> impl Strategy<Value = RenderOptions> {
+fn options() -> impl Strategy<Value = IptablesRenderOptions> {
     (any::<bool>(), 0u8..32, any::<bool>(), 0u8..4, any::<bool>()).prop_map(
-        |(masquerade_all, bit, localhost, det, nfacct)| RenderOptions {
-            masquerade_all,
-            masquerade_bit: bit,
-            localhost_node_ports: localhost,
-            local_detector: match det {
-                0 => LocalDetector::None,
-                1 => LocalDetector::Cidr("10.244.0.0/16".into()),
-                2 => LocalDetector::Bridge("cni0".into()),
-                _ => LocalDetector::InterfacePrefix("veth".into()),
+        |(masquerade_all, bit, localhost, det, nfacct)| IptablesRenderOptions {
+            common: RenderOptions {
+                masquerade_all,
+                masquerade_bit: bit,
+                local_detector: match det {
+                    0 => LocalDetector::None,
+                    1 => LocalDetector::Cidr("10.244.0.0/16".into()),
+                    2 => LocalDetector::Bridge("cni0".into()),
+                    _ => LocalDetector::InterfacePrefix("veth".into()),
+                },
+                node_port_addresses: vec![],
+                prefer_same_node: true,
             },
-            node_port_addresses: vec![],
-            prefer_same_node: true,
+            localhost_node_ports: localhost,
             nfacct,
             tcp_be_liberal: false,
             random_fully: true,
@@ -197,7 +200,7 @@ proptest! {
             }]),
             service_cidrs: vec![], warnings: vec![],
         };
-        let opts = RenderOptions { local_detector: LocalDetector::None, ..RenderOptions::default() };
+        let opts = IptablesRenderOptions::default();
         let rs = render(&state, &opts);
         let chain = kube_proxy::iptables::names::service_port_chains("ns/svc:p", "tcp").cluster;
         let split = split_of(&rs.restore, &chain);
@@ -221,7 +224,7 @@ proptest! {
     /// dropped when the model says it has no (local) endpoints.
     #[test]
     fn traced_cluster_ip_reaches_the_categorized_endpoints(state in state(), opts in options()) {
-        use kube_proxy::iptables::render::local_addresses;
+        use kube_proxy::proxy::local_addresses;
         use kube_proxy::iptables::trace::{Packet, TraceContext, trace};
         use kube_proxy::model::categorize_endpoints;
 
@@ -229,7 +232,7 @@ proptest! {
         let ctx = TraceContext { local_addresses: local_addresses(&state) };
         for sps in &state.service_ports {
             let svc = &sps.port;
-            let sets = categorize_endpoints(&sps.endpoints, svc, &state.node.name, state.node.zone(), opts.prefer_same_node);
+            let sets = categorize_endpoints(&sps.endpoints, svc, &state.node.name, state.node.zone(), opts.common.prefer_same_node);
             let packet = Packet {
                 src: "10.244.251.7".parse().unwrap(),
                 dst: svc.cluster_ip,
@@ -275,7 +278,7 @@ fn nft_state() -> impl Strategy<Value = ProxyState> {
 
 /// [`options`] with every shape of `nodePortAddresses`: all addresses, the primary IP, CIDRs
 /// with and without loopback.
-fn nft_options() -> impl Strategy<Value = RenderOptions> {
+fn nft_options() -> impl Strategy<Value = IptablesRenderOptions> {
     let npa = prop_oneof![
         Just(vec![]),
         Just(vec!["primary".to_string()]),
@@ -284,7 +287,7 @@ fn nft_options() -> impl Strategy<Value = RenderOptions> {
         Just(vec!["0.0.0.0/0".to_string()]),
     ];
     (options(), npa).prop_map(|(mut o, npa)| {
-        o.node_port_addresses = npa;
+        o.common.node_port_addresses = npa;
         o
     })
 }
@@ -443,16 +446,16 @@ proptest! {
         opts in nft_options(),
         choices in prop::collection::vec(packet_choice(), 1..16),
     ) {
-        use kube_proxy::iptables::render::{NodePortAddresses, local_addresses};
+        use kube_proxy::proxy::{NodePortAddresses, local_addresses};
         use kube_proxy::iptables::trace::{TraceContext, trace};
         use kube_proxy::nftables::{render::render_tx, ruleset::Ruleset, trace::trace as nft_trace};
 
         let ipt_rules = render(&state, &opts);
-        let nft_rules = Ruleset::from_transaction(&render_tx(&state, &opts, true))
+        let nft_rules = Ruleset::from_transaction(&render_tx(&state, &opts.common, true))
             .map_err(|e| TestCaseError::fail(format!("transaction does not apply: {e}")))?;
         let ctx = TraceContext { local_addresses: local_addresses(&state) };
         let cluster_ips: Vec<IpAddr> = state.service_ports.iter().map(|s| s.port.cluster_ip).collect();
-        let nodeport_ips = NodePortAddresses::new(state.family, &opts.node_port_addresses, state.node.primary_ip(state.family))
+        let nodeport_ips = NodePortAddresses::new(state.family, &opts.common.node_port_addresses, state.node.primary_ip(state.family))
             .node_ips(&ctx.local_addresses);
         for c in &choices {
             let p = packet_of(&state, c);
@@ -521,13 +524,9 @@ proptest! {
 // The IPVS tracer against the iptables tracer
 
 /// The IPVS options matching iptables mode's `opts` (what both modes read).
-fn ipvs_options(opts: &RenderOptions) -> kube_proxy::ipvs::render::IpvsRenderOptions {
+fn ipvs_options(opts: &IptablesRenderOptions) -> kube_proxy::ipvs::render::IpvsRenderOptions {
     kube_proxy::ipvs::render::IpvsRenderOptions {
-        masquerade_all: opts.masquerade_all,
-        masquerade_bit: opts.masquerade_bit,
-        local_detector: opts.local_detector.clone(),
-        node_port_addresses: opts.node_port_addresses.clone(),
-        prefer_same_node: opts.prefer_same_node,
+        common: opts.common.clone(),
         ..Default::default()
     }
 }
@@ -571,7 +570,7 @@ proptest! {
         opts in nft_options(),
         choices in prop::collection::vec(packet_choice(), 1..16),
     ) {
-        use kube_proxy::iptables::render::{NodePortAddresses, local_addresses};
+        use kube_proxy::proxy::{NodePortAddresses, local_addresses};
         use kube_proxy::iptables::trace::{TraceContext, trace};
         use kube_proxy::ipvs::names::SetId;
         use kube_proxy::ipvs::{render::render as ipvs_render, trace::trace as ipvs_trace};
@@ -581,7 +580,7 @@ proptest! {
         let ipvs_rules = ipvs_render(&state, &ipvs_options(&opts));
         let ctx = TraceContext { local_addresses: local_addresses(&state) };
         let node_addresses: Vec<IpAddr> = state.node.addresses.clone();
-        let npa = NodePortAddresses::new(state.family, &opts.node_port_addresses, state.node.primary_ip(state.family));
+        let npa = NodePortAddresses::new(state.family, &opts.common.node_port_addresses, state.node.primary_ip(state.family));
         let nodeport_ips = if npa.match_all() { node_addresses.clone() } else { npa.node_ips(&node_addresses) };
         for c in &choices {
             let p = packet_of(&state, c);
@@ -614,7 +613,7 @@ proptest! {
             let external = svc.is_some_and(|s| s.port.cluster_ip != p.dst);
             if let (Some(s), Some(vs)) = (svc, server) {
                 let node = &state.node;
-                let sets = categorize_endpoints(&s.endpoints, &s.port, &node.name, node.zone(), opts.prefer_same_node);
+                let sets = categorize_endpoints(&s.endpoints, &s.port, &node.name, node.zone(), opts.common.prefer_same_node);
                 let policy_local = if external { s.port.external_policy_local } else { s.port.internal_policy_local };
                 if policy_local && (external || sets.local.is_empty()) {
                     // What IPVS mode schedules to: the local endpoints, else the cluster ones.

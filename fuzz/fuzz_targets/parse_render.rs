@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use kube_proxy::config::{Flags, ProxyConfig};
-use kube_proxy::iptables::{RenderOptions, render};
+use kube_proxy::iptables::{IptablesRenderOptions, render};
 use kube_proxy::manifest::{Objects, load_str};
 use kube_proxy::model::{IpFamily, NodeInfo, build_state};
 use libfuzzer_sys::fuzz_target;
@@ -25,7 +25,7 @@ fuzz_target!(|data: &[u8]| {
     let node = NodeInfo::from_objects(&objects, "node-a", &[]);
     for family in [IpFamily::V4, IpFamily::V6] {
         let state = build_state(&objects, &node, family);
-        let rs = render(&state, &RenderOptions::from_config(&cfg, family, &node));
+        let rs = render(&state, &IptablesRenderOptions::from_config(&cfg, family, &node));
         for line in rs.restore.lines() {
             assert!(!line.contains('\r') && !line.contains('\0'), "control character in {line:?}");
             assert!(line.matches('"').count() % 2 == 0, "unbalanced quotes in {line:?}");

@@ -8,7 +8,7 @@ pub mod render;
 pub mod replace;
 pub mod trace;
 
-pub use render::{RenderOptions, render};
+pub use render::{IptablesRenderOptions, render};
 
 use crate::model::IpFamily;
 

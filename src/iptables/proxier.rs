@@ -18,11 +18,12 @@ use super::names::{
     KUBE_MARK_MASQ, KUBE_NODEPORTS, KUBE_POSTROUTING, KUBE_PROXY_CANARY, KUBE_SERVICES, is_service_chain,
 };
 use super::render::{
-    RenderContext, RenderOptions, ServiceFragment, filter_section, jump_rules, masquerade_rules, nodeports_tail,
-    render_service,
+    IptablesRenderOptions, RenderContext, ServiceFragment, filter_section, jump_rules, masquerade_rules,
+    nodeports_tail, render_service,
 };
 use super::replace::merge_table;
 use crate::model::{ProxyState, ServicePortName, ServicePortState};
+use crate::proxy::{SyncReport, restore_operations};
 
 /// Upstream's `FullSyncPeriod`: a full sync at least this often.
 pub const FULL_SYNC_PERIOD: Duration = Duration::from_secs(3600);
@@ -46,21 +47,6 @@ pub enum SyncError {
     Restore(#[source] ExecError),
 }
 
-/// What one sync did.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct SyncReport {
-    pub full: bool,
-    /// Service ports whose chains were rewritten.
-    pub rewritten_services: usize,
-    /// Stale chains deleted.
-    pub deleted_chains: usize,
-    /// Size of the restore input (0 when nothing had to change).
-    pub restore_bytes: usize,
-    pub elapsed: Duration,
-    /// UDP service ports that lost serving endpoints or disappeared (stale conntrack possible).
-    pub udp_endpoints_removed: bool,
-}
-
 struct CachedService {
     state: Arc<ServicePortState>,
     fragment: ServiceFragment,
@@ -75,7 +61,7 @@ struct Applied {
 
 pub struct Proxier<I: Iptables> {
     ipt: I,
-    opts: RenderOptions,
+    opts: IptablesRenderOptions,
     services: HashMap<ServicePortName, CachedService>,
     applied: Option<Applied>,
     last_full: Option<Instant>,
@@ -83,7 +69,7 @@ pub struct Proxier<I: Iptables> {
 }
 
 impl<I: Iptables> Proxier<I> {
-    pub fn new(ipt: I, opts: RenderOptions) -> Proxier<I> {
+    pub fn new(ipt: I, opts: IptablesRenderOptions) -> Proxier<I> {
         Proxier {
             ipt,
             opts,
@@ -100,7 +86,7 @@ impl<I: Iptables> Proxier<I> {
 
     /// Replaces the rendering options (they depend on the Node, which may arrive or change
     /// after start); a change makes the next sync a full one.
-    pub fn set_options(&mut self, opts: RenderOptions) {
+    pub fn set_options(&mut self, opts: IptablesRenderOptions) {
         if opts != self.opts {
             self.opts = opts;
             self.applied = None;
@@ -264,7 +250,7 @@ impl<I: Iptables> Proxier<I> {
         }
         stale.sort();
         stale.dedup();
-        report.deleted_chains = stale.len();
+        report.removed_objects = stale.len();
 
         let mut nat = String::new();
         let mut declared = 0usize;
@@ -332,7 +318,7 @@ impl<I: Iptables> Proxier<I> {
         if !input.is_empty() {
             self.ipt.restore(&input).map_err(SyncError::Restore)?;
         }
-        report.restore_bytes = input.len();
+        report.operations = restore_operations(&input);
         self.applied = Some(Applied { ctx, filter });
         Ok(report)
     }
@@ -384,7 +370,7 @@ fn replace_tables<I: Iptables>(
     let saved_filter = ipt.save_counters("filter").map_err(SyncError::Save)?;
     let nat = merge_table("nat", &saved_nat, &nat, &jumps);
     let filter_merged = merge_table("filter", &saved_filter, filter, &jumps);
-    report.deleted_chains = nat.dropped_service_chains;
+    report.removed_objects = nat.dropped_service_chains;
     let input = if gained_endpoints {
         format!("{}{}", nat.text, filter_merged.text)
     } else {
@@ -393,7 +379,7 @@ fn replace_tables<I: Iptables>(
     ipt.replace(&input).map_err(SyncError::Restore)?;
     ipt.ensure_chain("mangle", KUBE_PROXY_CANARY)
         .map_err(SyncError::Setup)?;
-    report.restore_bytes = input.len();
+    report.operations = restore_operations(&input);
     Ok((
         report,
         Applied {
@@ -483,10 +469,13 @@ mod tests {
     use crate::iptables::render::render;
     use crate::model::Protocol;
 
-    fn opts() -> RenderOptions {
-        RenderOptions {
-            local_detector: LocalDetector::Cidr("10.244.0.0/16".into()),
-            ..RenderOptions::default()
+    fn opts() -> IptablesRenderOptions {
+        IptablesRenderOptions {
+            common: crate::proxy::RenderOptions {
+                local_detector: LocalDetector::Cidr("10.244.0.0/16".into()),
+                ..crate::proxy::RenderOptions::default()
+            },
+            ..IptablesRenderOptions::default()
         }
     }
 
@@ -536,7 +525,7 @@ mod tests {
         p.sync(&st).unwrap();
         let r = p.sync(&st).unwrap();
         assert!(!r.full);
-        assert_eq!(r.restore_bytes, 0);
+        assert_eq!(r.operations, 0);
         assert_eq!(p.iptables().restores.len(), 1);
     }
 
@@ -553,7 +542,7 @@ mod tests {
         let mut p = Proxier::new(Fake::default(), opts());
         p.sync(&before).unwrap();
         let r = p.sync(&after).unwrap();
-        assert!(!r.full && r.rewritten_services == 1 && r.deleted_chains == 1, "{r:?}");
+        assert!(!r.full && r.rewritten_services == 1 && r.removed_objects == 1, "{r:?}");
         let input = p.iptables().restores.last().unwrap().clone();
         assert!(!input.contains("*filter"), "filter unchanged: {input}");
         let chains = declared(&input);
@@ -610,7 +599,7 @@ mod tests {
             ":KUBE-SEP-LEFTOVER1234567 - [0:0]\n:OTHER - [0:0]\n".into(),
         );
         let r = p.sync(&changed).unwrap();
-        assert!(r.full && r.deleted_chains == 1, "{r:?}");
+        assert!(r.full && r.removed_objects == 1, "{r:?}");
         let input = p.iptables().restores.last().unwrap().clone();
         assert!(
             input.contains("-X KUBE-SEP-LEFTOVER1234567") && !input.contains("-X OTHER"),
@@ -664,7 +653,7 @@ mod tests {
         let mut fewer = st.clone();
         Arc::make_mut(&mut fewer.service_ports[0]).endpoints.pop();
         let r = p.sync(&fewer).unwrap();
-        assert!(!r.full && r.deleted_chains == 1);
+        assert!(!r.full && r.removed_objects == 1);
         assert_eq!(p.iptables().restores.len(), 1);
     }
 }

@@ -7,14 +7,13 @@
 //! order *within* a chain, which is what the kernel sees, is upstream's.
 
 use std::fmt::Write as _;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
-
-use ipnet::IpNet;
+use std::net::IpAddr;
 
 use super::names::{self, *};
 use super::{JumpRule, Ruleset};
-use crate::config::{LocalDetector, ProxyConfig};
+use crate::config::ProxyConfig;
 use crate::model::{Endpoint, IpFamily, NodeInfo, ProxyState, ServicePort, ServicePortState, categorize_endpoints};
+use crate::proxy::{NodePortAddresses, RenderOptions, local_addresses};
 
 /// Above this many endpoints upstream drops per-endpoint comments to keep the ruleset small.
 pub const LARGE_CLUSTER_ENDPOINTS_THRESHOLD: usize = 1000;
@@ -23,20 +22,14 @@ pub const NFACCT_LOCALHOST_NODEPORTS: &str = "localhost_nps_accepted_pkts";
 /// nfacct counter behind `kubeproxy_iptables_ct_state_invalid_dropped_packets_total`.
 pub const NFACCT_CT_STATE_INVALID: &str = "ct_state_invalid_dropped_pkts";
 
-/// Everything besides the model that changes the rules of one family.
+/// What changes the iptables rules of one family besides the model: the options every mode
+/// shares, and iptables mode's own.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RenderOptions {
-    pub masquerade_all: bool,
-    /// The mark is `1 << masquerade_bit`.
-    pub masquerade_bit: u8,
+pub struct IptablesRenderOptions {
+    pub common: RenderOptions,
     /// `iptables.localhostNodePorts` as configured (it only takes effect for IPv4 when
     /// nodePortAddresses include loopback).
     pub localhost_node_ports: bool,
-    pub local_detector: LocalDetector,
-    /// `nodePortAddresses`: CIDRs and/or `primary`; empty means every local address.
-    pub node_port_addresses: Vec<String>,
-    /// The `PreferSameTrafficDistribution` feature gate (node hints).
-    pub prefer_same_node: bool,
     /// Whether the nfacct counters exist (they add `-m nfacct` to two rules).
     pub nfacct: bool,
     /// `net.netfilter.nf_conntrack_tcp_be_liberal` is set: no INVALID drop rule.
@@ -45,17 +38,13 @@ pub struct RenderOptions {
     pub random_fully: bool,
 }
 
-impl Default for RenderOptions {
+impl Default for IptablesRenderOptions {
     /// Upstream's defaults on a stock node (mark bit 14, localhost NodePorts on, no
     /// local-traffic detector, `--random-fully` supported, no nfacct counters).
     fn default() -> Self {
-        RenderOptions {
-            masquerade_all: false,
-            masquerade_bit: 14,
+        IptablesRenderOptions {
+            common: RenderOptions::default(),
             localhost_node_ports: true,
-            local_detector: LocalDetector::None,
-            node_port_addresses: Vec::new(),
-            prefer_same_node: true,
             nfacct: false,
             tcp_be_liberal: false,
             random_fully: true,
@@ -63,111 +52,16 @@ impl Default for RenderOptions {
     }
 }
 
-impl RenderOptions {
+impl IptablesRenderOptions {
     /// The options of one family's proxier for a configuration, as the daemon would run it on
     /// a stock node (nfacct counters absent, `tcp_be_liberal` unset, `--random-fully` supported).
-    pub fn from_config(cfg: &ProxyConfig, family: IpFamily, node: &NodeInfo) -> RenderOptions {
-        RenderOptions {
-            masquerade_all: cfg.masquerade_all,
-            masquerade_bit: cfg.masquerade_bit,
+    pub fn from_config(cfg: &ProxyConfig, family: IpFamily, node: &NodeInfo) -> IptablesRenderOptions {
+        IptablesRenderOptions {
+            common: RenderOptions::from_config(cfg, family, node),
             localhost_node_ports: cfg.localhost_node_ports,
-            local_detector: cfg.local_detector(family, node),
-            node_port_addresses: cfg.node_port_addresses.clone(),
-            prefer_same_node: cfg.feature_enabled("PreferSameTrafficDistribution"),
-            nfacct: false,
-            tcp_be_liberal: false,
-            random_fully: true,
+            ..IptablesRenderOptions::default()
         }
     }
-}
-
-/// upstream's `NodePortAddresses` for one family.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct NodePortAddresses {
-    cidrs: Vec<IpNet>,
-    match_all: bool,
-    contains_ipv4_loopback: bool,
-}
-
-impl NodePortAddresses {
-    pub fn new(family: IpFamily, entries: &[String], primary: Option<IpAddr>) -> NodePortAddresses {
-        let mut cidrs: Vec<IpNet> = Vec::new();
-        for e in entries {
-            if e == "primary" {
-                if let Some(ip) = primary.filter(|ip| family.contains(ip)) {
-                    cidrs.push(IpNet::from(ip));
-                }
-                continue;
-            }
-            if let Ok(net) = e.parse::<IpNet>()
-                && family.contains(&net.addr())
-            {
-                cidrs.push(net.trunc());
-            }
-        }
-        if cidrs.is_empty() {
-            cidrs.push(match family {
-                IpFamily::V4 => IpNet::from(IpAddr::V4(Ipv4Addr::UNSPECIFIED)).supernet_all(),
-                IpFamily::V6 => IpNet::from(IpAddr::V6(Ipv6Addr::UNSPECIFIED)).supernet_all(),
-            });
-        }
-        let loopback = IpAddr::V4(Ipv4Addr::LOCALHOST);
-        let contains_ipv4_loopback = cidrs
-            .iter()
-            .any(|c| c.addr().is_ipv4() && (c.addr().is_loopback() || c.contains(&loopback)));
-        let match_all = cidrs.iter().any(|c| c.prefix_len() == 0);
-        NodePortAddresses {
-            cidrs,
-            match_all,
-            contains_ipv4_loopback,
-        }
-    }
-
-    pub fn match_all(&self) -> bool {
-        self.match_all
-    }
-
-    pub fn contains_ipv4_loopback(&self) -> bool {
-        self.contains_ipv4_loopback
-    }
-
-    /// The node's addresses (plus loopback) that fall in the configured CIDRs.
-    pub fn node_ips(&self, local_addresses: &[IpAddr]) -> Vec<IpAddr> {
-        let mut out = Vec::new();
-        for ip in local_addresses {
-            if self.cidrs.iter().any(|c| c.contains(ip)) && !out.contains(ip) {
-                out.push(*ip);
-            }
-        }
-        out
-    }
-}
-
-trait SupernetAll {
-    fn supernet_all(self) -> IpNet;
-}
-
-impl SupernetAll for IpNet {
-    fn supernet_all(self) -> IpNet {
-        IpNet::new(self.addr(), 0).unwrap_or(self)
-    }
-}
-
-/// The node's own addresses of `family` plus loopback: what `addrtype LOCAL` matches and what
-/// nodePortAddresses select from.
-pub fn local_addresses(state: &ProxyState) -> Vec<IpAddr> {
-    let mut v: Vec<IpAddr> = state
-        .node
-        .addresses
-        .iter()
-        .copied()
-        .filter(|ip| state.family.contains(ip))
-        .collect();
-    v.push(match state.family {
-        IpFamily::V4 => IpAddr::V4(Ipv4Addr::LOCALHOST),
-        IpFamily::V6 => IpAddr::V6(Ipv6Addr::LOCALHOST),
-    });
-    v
 }
 
 /// Appends one line to a table part (chain declarations or rules) of the restore input.
@@ -191,7 +85,7 @@ pub fn masquerade_mark(bit: u8) -> String {
 /// Everything that is the same for every service port during one sync.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RenderContext {
-    pub opts: RenderOptions,
+    pub opts: IptablesRenderOptions,
     pub family: IpFamily,
     pub node_name: String,
     pub zone: Option<String>,
@@ -210,10 +104,10 @@ pub struct RenderContext {
 }
 
 impl RenderContext {
-    pub fn new(state: &ProxyState, opts: &RenderOptions) -> RenderContext {
+    pub fn new(state: &ProxyState, opts: &IptablesRenderOptions) -> RenderContext {
         let family = state.family;
         let node_ip = state.node.primary_ip(family);
-        let npa = NodePortAddresses::new(family, &opts.node_port_addresses, node_ip);
+        let npa = NodePortAddresses::new(family, &opts.common.node_port_addresses, node_ip);
         let localhost_node_ports = opts.localhost_node_ports && family == IpFamily::V4 && npa.contains_ipv4_loopback();
         let total_endpoints: usize = state.service_ports.iter().map(|s| s.endpoints.len()).sum();
         RenderContext {
@@ -225,9 +119,9 @@ impl RenderContext {
             localhost_node_ports,
             large_cluster: total_endpoints > LARGE_CLUSTER_ENDPOINTS_THRESHOLD,
             local_addresses: local_addresses(state),
-            mark: masquerade_mark(opts.masquerade_bit),
-            if_local: opts.local_detector.if_local().join(" "),
-            if_not_local: opts.local_detector.if_not_local().join(" "),
+            mark: masquerade_mark(opts.common.masquerade_bit),
+            if_local: opts.common.local_detector.if_local().join(" "),
+            if_not_local: opts.common.local_detector.if_not_local().join(" "),
             opts: opts.clone(),
         }
     }
@@ -264,7 +158,7 @@ pub fn render_service(sps: &ServicePortState, ctx: &RenderContext) -> ServiceFra
         svc,
         &ctx.node_name,
         ctx.zone.as_deref(),
-        opts.prefer_same_node,
+        opts.common.prefer_same_node,
     );
     let has_endpoints = sets.has_any;
     let uses_cluster_chain = !sets.cluster.is_empty() && svc.uses_cluster_endpoints();
@@ -393,9 +287,9 @@ pub fn render_service(sps: &ServicePortState, ctx: &RenderContext) -> ServiceFra
     if has_internal {
         let cluster_ip_match =
             format!("-m comment --comment \"{name} cluster IP\" -m {proto} -p {proto} -d {cluster_ip} --dport {port}");
-        if opts.masquerade_all {
+        if opts.common.masquerade_all {
             line!(rules, "-A {internal_chain} {cluster_ip_match} -j {KUBE_MARK_MASQ}");
-        } else if opts.local_detector.is_implemented() {
+        } else if opts.common.local_detector.is_implemented() {
             // Off-cluster traffic to a ClusterIP may bounce off-node: masquerade it.
             line!(
                 rules,
@@ -417,7 +311,7 @@ pub fn render_service(sps: &ServicePortState, ctx: &RenderContext) -> ServiceFra
         } else {
             // Pod traffic to an external address behaves as if it went out to the load
             // balancer and came back: subject to no traffic policy.
-            if opts.local_detector.is_implemented() {
+            if opts.common.local_detector.is_implemented() {
                 line!(
                     rules,
                     "-A {external_chain} -m comment --comment \"pod traffic for {name} external destinations\" {} -j {cluster_chain}",
@@ -592,7 +486,7 @@ pub fn nodeports_tail(ctx: &RenderContext) -> String {
 }
 
 /// Renders the full-sync ruleset of one family.
-pub fn render(state: &ProxyState, opts: &RenderOptions) -> Ruleset {
+pub fn render(state: &ProxyState, opts: &IptablesRenderOptions) -> Ruleset {
     let ctx = RenderContext::new(state, opts);
     let fragments: Vec<ServiceFragment> = state
         .service_ports
@@ -790,22 +684,9 @@ mod tests {
         );
     }
 
-    #[test]
-    fn node_port_addresses() {
-        let v4 = NodePortAddresses::new(IpFamily::V4, &[], None);
-        assert!(v4.match_all() && v4.contains_ipv4_loopback());
-        let p = NodePortAddresses::new(IpFamily::V4, &["primary".into()], Some("192.168.0.2".parse().unwrap()));
-        assert!(!p.match_all() && !p.contains_ipv4_loopback());
-        assert_eq!(
-            p.node_ips(&["192.168.0.2".parse().unwrap(), "127.0.0.1".parse().unwrap()]),
-            vec!["192.168.0.2".parse::<IpAddr>().unwrap()]
-        );
-        let only_v6 = NodePortAddresses::new(IpFamily::V4, &["fd00::/64".into()], None);
-        assert!(only_v6.match_all(), "no CIDR of the family means all addresses");
-    }
-
     fn state_with_endpoints(n: usize) -> ProxyState {
         use crate::model::{NodeInfo, Protocol, ServicePortName, ServicePortState};
+        use std::net::Ipv4Addr;
         let mut endpoints: Vec<Endpoint> = (0..n)
             .map(|i| Endpoint::ready(IpAddr::V4(Ipv4Addr::from(0x0a01_0000u32 + i as u32)), 80))
             .collect();
@@ -831,11 +712,8 @@ mod tests {
         }
     }
 
-    fn opts() -> RenderOptions {
-        RenderOptions {
-            local_detector: LocalDetector::None,
-            ..RenderOptions::default()
-        }
+    fn opts() -> IptablesRenderOptions {
+        IptablesRenderOptions::default()
     }
 
     #[test]

@@ -54,8 +54,8 @@ use super::names::{DUMMY_DEVICE, IPSETS, set_name};
 use super::netlink::{Ipvs, IpvsError, RealServer, ServiceFlags, ServiceKey, Timeouts, VirtualServer};
 use super::render::{IpvsRenderOptions, IpvsRuleset, IpvsService, render};
 use crate::iptables::exec::{ExecError, Iptables};
-use crate::iptables::proxier::SyncReport;
 use crate::model::{IpFamily, Protocol, ProxyState};
+use crate::proxy::{SyncReport, restore_operations};
 
 /// The first re-check of a draining real server comes this long after it started draining.
 pub const DRAIN_CHECK_FIRST: Duration = Duration::from_secs(1);
@@ -378,12 +378,14 @@ impl<V: Ipvs, I: Iptables, H: IpvsHost> IpvsProxier<V, I, H> {
             let existing = match current.get(&key) {
                 None => {
                     self.ipvs.add_service(&want)?;
+                    report.operations += 1;
                     report.rewritten_services += 1;
                     false
                 }
                 Some(have) => {
                     if !same_settings(have, &want) {
                         self.ipvs.update_service(&want)?;
+                        report.operations += 1;
                         report.rewritten_services += 1;
                     }
                     true
@@ -403,10 +405,12 @@ impl<V: Ipvs, I: Iptables, H: IpvsHost> IpvsProxier<V, I, H> {
                 match have.get(&addr) {
                     None => {
                         self.ipvs.add_dest(&want, &rs_want)?;
+                        report.operations += 1;
                         changed = true;
                     }
                     Some(h) if h.weight != rs_want.weight || h.forward != rs_want.forward => {
                         self.ipvs.update_dest(&want, &rs_want)?;
+                        report.operations += 1;
                         changed = true;
                     }
                     Some(_) => {}
@@ -441,7 +445,7 @@ impl<V: Ipvs, I: Iptables, H: IpvsHost> IpvsProxier<V, I, H> {
         // 5. iptables: the restore declares (creates) every chain the jumps lead to. Each jump
         // is inserted at the top when missing, so insert the last of each chain first.
         self.ipt.restore(&rs.restore)?;
-        report.restore_bytes = rs.restore.len() + sets.len();
+        report.operations += restore_operations(&rs.restore) + restore_operations(&sets);
         for j in rs.jumps.iter().rev() {
             self.ipt.ensure_rule_first(j.table, j.chain, &j.args)?;
         }
@@ -495,6 +499,7 @@ impl<V: Ipvs, I: Iptables, H: IpvsHost> IpvsProxier<V, I, H> {
         }
         if !needs_draining(vs.protocol) || d.active_conns + d.inactive_conns == 0 {
             gone_ok(self.ipvs.delete_dest(vs, d))?;
+            report.operations += 1;
             report.udp_endpoints_removed |= vs.protocol == Protocol::Udp;
             return Ok(true);
         }
@@ -504,6 +509,7 @@ impl<V: Ipvs, I: Iptables, H: IpvsHost> IpvsProxier<V, I, H> {
         };
         if d.weight != 0 {
             self.ipvs.update_dest(vs, &quiet)?;
+            report.operations += 1;
         }
         self.draining.insert(key, vs.without_stats());
         self.schedule_check(true);
@@ -585,10 +591,11 @@ impl<V: Ipvs, I: Iptables, H: IpvsHost> IpvsProxier<V, I, H> {
                     }
                     Some(d) if d.active_conns + d.inactive_conns == 0 => {
                         gone_ok(self.ipvs.delete_dest(&vs, d))?;
+                        report.operations += 1;
                         self.draining.remove(&k);
-                        // The report's count of stale objects deleted (chains in the other
-                        // modes): here, drained real servers.
-                        report.deleted_chains += 1;
+                        // Stale objects removed (chains in the other modes): here, drained
+                        // real servers.
+                        report.removed_objects += 1;
                     }
                     Some(d) if d.weight != 0 => {
                         // Someone raised it again: it still has to drain.
@@ -597,6 +604,7 @@ impl<V: Ipvs, I: Iptables, H: IpvsHost> IpvsProxier<V, I, H> {
                             ..d.without_counters()
                         };
                         self.ipvs.update_dest(&vs, &quiet)?;
+                        report.operations += 1;
                     }
                     Some(_) => {}
                 }

@@ -32,10 +32,12 @@ use std::time::Duration;
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 
 use super::names::*;
-use crate::config::{LocalDetector, ProxyConfig};
+use crate::config::ProxyConfig;
 use crate::iptables::JumpRule;
-use crate::iptables::render::{NodePortAddresses, masquerade_mark};
+// IPVS mode programs iptables rules too: their jump rules and mark format are iptables mode's.
+use crate::iptables::render::masquerade_mark;
 use crate::model::{Endpoint, IpFamily, NodeInfo, Protocol, ProxyState, ServicePortName, categorize_endpoints};
+use crate::proxy::{NodePortAddresses, RenderOptions};
 
 /// IPVS service flag: persistence (session affinity).
 pub const FLAG_PERSISTENT: u32 = 0x1;
@@ -63,21 +65,15 @@ pub struct IpvsRenderOptions {
     pub tcp_timeout: Duration,
     pub tcp_fin_timeout: Duration,
     pub udp_timeout: Duration,
-    pub masquerade_all: bool,
-    /// The mark is `1 << masquerade_bit`.
-    pub masquerade_bit: u8,
-    pub local_detector: LocalDetector,
-    /// `nodePortAddresses`: CIDRs and/or `primary` (the Node's primary IP); empty (upstream's
-    /// default in IPVS mode, unlike nftables mode's `primary`) means every address of the node.
-    pub node_port_addresses: Vec<String>,
+    /// The options every mode shares. `nodePortAddresses` empty (upstream's default in IPVS
+    /// mode, unlike nftables mode's `primary`) means every address of the node.
+    pub common: RenderOptions,
     /// The node's interface addresses outside `kube-ipvs0` (any family: each render keeps its
     /// own), as the proxier lists them before every sync, as upstream re-reads them on every
     /// sync. They carry the NodePort virtual servers and decide which externalIPs and
     /// load-balancer IPs are already the node's. `None` (`kube-proxy render`, which has no
     /// host to ask): the Node object's addresses (or `--node-ip`) stand in for them.
     pub node_addresses: Option<Vec<IpAddr>>,
-    /// The `PreferSameTrafficDistribution` feature gate (node hints).
-    pub prefer_same_node: bool,
     /// iptables supports `MASQUERADE --random-fully` (every iptables since 1.6.2).
     pub random_fully: bool,
 }
@@ -92,12 +88,8 @@ impl Default for IpvsRenderOptions {
             tcp_timeout: Duration::ZERO,
             tcp_fin_timeout: Duration::ZERO,
             udp_timeout: Duration::ZERO,
-            masquerade_all: false,
-            masquerade_bit: 14,
-            local_detector: LocalDetector::None,
-            node_port_addresses: Vec::new(),
+            common: RenderOptions::default(),
             node_addresses: None,
-            prefer_same_node: true,
             random_fully: true,
         }
     }
@@ -125,13 +117,9 @@ impl IpvsRenderOptions {
             tcp_timeout: cfg.ipvs.tcp_timeout,
             tcp_fin_timeout: cfg.ipvs.tcp_fin_timeout,
             udp_timeout: cfg.ipvs.udp_timeout,
-            masquerade_all: cfg.masquerade_all,
-            masquerade_bit: cfg.masquerade_bit,
-            local_detector: cfg.local_detector(family, node),
-            node_port_addresses: cfg.node_port_addresses.clone(),
+            common: RenderOptions::from_config(cfg, family, node),
             // Listed by the proxier on every sync (the configuration has no host to ask).
             node_addresses: None,
-            prefer_same_node: cfg.feature_enabled("PreferSameTrafficDistribution"),
             random_fully: true,
         }
     }
@@ -598,7 +586,7 @@ pub fn render(state: &ProxyState, opts: &IpvsRenderOptions) -> IpvsRuleset {
     let family = state.family;
     let node_ip = state.node.primary_ip(family);
     let zone = state.node.zone();
-    let npa = NodePortAddresses::new(family, &opts.node_port_addresses, node_ip);
+    let npa = NodePortAddresses::new(family, &opts.common.node_port_addresses, node_ip);
     let listed = listed_addresses(state, opts, family);
     // Upstream's set of node addresses: they keep externalIPs and load-balancer IPs off
     // kube-ipvs0, and by default they all carry NodePorts.
@@ -645,7 +633,9 @@ pub fn render(state: &ProxyState, opts: &IpvsRenderOptions) -> IpvsRuleset {
             protocol: proto,
             persistent: svc.session_affinity_timeout,
         };
-        let sets = categorize_endpoints(&sps.endpoints, svc, &state.node.name, zone, opts.prefer_same_node);
+        let sets = categorize_endpoints(
+            &sps.endpoints, svc, &state.node.name, zone, opts.common.prefer_same_node,
+        );
         let cluster = destinations(&sets.cluster);
         let local = destinations(&sets.local);
         // A Local policy uses the local endpoints, but falls back to the cluster ones when the
@@ -848,7 +838,7 @@ fn restore_input(
     let name = |id: SetId| set(id).map(|s| s.name.clone()).unwrap_or_default();
     let nonempty = |id: SetId| set(id).is_some_and(|s| !s.is_empty());
     let comment = |id: SetId| format!("\"{}\"", ipset_info(id).comment);
-    let mark = masquerade_mark(opts.masquerade_bit);
+    let mark = masquerade_mark(opts.common.masquerade_bit);
     let mut nat = String::new();
     let mut filter = String::new();
 
@@ -886,14 +876,14 @@ fn restore_input(
             comment(SetId::ClusterIp),
             name(SetId::ClusterIp)
         );
-        if opts.masquerade_all {
+        if opts.common.masquerade_all {
             line!(nat, "{base} dst,dst -j {KUBE_MARK_MASQ}");
-        } else if opts.local_detector.is_implemented() {
+        } else if opts.common.local_detector.is_implemented() {
             // Off-cluster traffic to a ClusterIP may bounce off-node: masquerade it.
             line!(
                 nat,
                 "{base} dst,dst {} -j {KUBE_MARK_MASQ}",
-                opts.local_detector.if_not_local().join(" ")
+                opts.common.local_detector.if_not_local().join(" ")
             );
         } else {
             // Without a detector, only node traffic whose source is a VIP (picked because the
@@ -1063,6 +1053,7 @@ mod tests {
     //! TestOnlyLocalLoadBalancing, TestHealthCheckNodePort, TestAcceptIPVSTraffic, ...).
 
     use super::*;
+    use crate::config::LocalDetector;
     use crate::model::{ServicePort, ServicePortState};
 
     const NODE: &str = "test-node";
@@ -1191,7 +1182,10 @@ mod tests {
             vec![(node_port(svc1(Protocol::Udp), 3001), vec![ep("10.180.0.1", 80, false)])],
         );
         let opts = IpvsRenderOptions {
-            node_port_addresses: vec!["0.0.0.0/0".into()],
+            common: RenderOptions {
+                node_port_addresses: vec!["0.0.0.0/0".into()],
+                ..RenderOptions::default()
+            },
             ..IpvsRenderOptions::default()
         };
         let rs = render(&st, &opts);
@@ -1297,7 +1291,10 @@ mod tests {
             vec![(p, vec![ep("10.180.0.1", 80, true), ep("10.180.1.1", 80, false)])],
         );
         let opts = IpvsRenderOptions {
-            node_port_addresses: vec!["100.101.102.0/24".into()],
+            common: RenderOptions {
+                node_port_addresses: vec!["100.101.102.0/24".into()],
+                ..RenderOptions::default()
+            },
             ..IpvsRenderOptions::default()
         };
         let rs = render(&st, &opts);
@@ -1325,7 +1322,10 @@ mod tests {
         p.load_balancer_source_ranges = vec!["10.0.0.0/8".parse().expect("cidr")];
         let st = state(&["100.101.102.103"], vec![(p, vec![ep("10.180.0.1", 80, false)])]);
         let opts = IpvsRenderOptions {
-            local_detector: LocalDetector::Cidr("10.0.0.0/24".into()),
+            common: RenderOptions {
+                local_detector: LocalDetector::Cidr("10.0.0.0/24".into()),
+                ..RenderOptions::default()
+            },
             ..IpvsRenderOptions::default()
         };
         let rs = render(&st, &opts);
@@ -1507,7 +1507,10 @@ COMMIT
         let c = node_port(port("ns1", "svc3", "p80", Protocol::Tcp, "10.20.30.42", 80), 80);
         let st = state(&["100.101.102.103"], vec![(a, vec![]), (b, vec![]), (c, vec![])]);
         let opts = IpvsRenderOptions {
-            masquerade_all: true,
+            common: RenderOptions {
+                masquerade_all: true,
+                ..RenderOptions::default()
+            },
             ..IpvsRenderOptions::default()
         };
         let rs = render(&st, &opts);
@@ -1656,7 +1659,10 @@ COMMIT
 
         // `primary` is the Node's primary IP, as a CIDR over the interface addresses.
         let primary = IpvsRenderOptions {
-            node_port_addresses: vec!["primary".into()],
+            common: RenderOptions {
+                node_port_addresses: vec!["primary".into()],
+                ..opts.common.clone()
+            },
             ..opts.clone()
         };
         assert_eq!(render(&st, &primary).node_port_addresses, [ip("192.168.49.2")]);
@@ -1667,7 +1673,10 @@ COMMIT
         );
         // A CIDR selects from every listed address but loopback.
         let cidrs = IpvsRenderOptions {
-            node_port_addresses: vec!["127.0.0.0/8".into(), "169.254.0.0/16".into()],
+            common: RenderOptions {
+                node_port_addresses: vec!["127.0.0.0/8".into(), "169.254.0.0/16".into()],
+                ..opts.common.clone()
+            },
             ..opts.clone()
         };
         assert_eq!(render(&st, &cidrs).node_port_addresses, [ip("169.254.3.3")]);
@@ -1823,13 +1832,13 @@ SCTP 10.20.30.11:9000 rr
         let o = IpvsRenderOptions::from_config(&cfg, IpFamily::V4, &node);
         assert_eq!(o.scheduler, "rr");
         assert_eq!(o.exclude_cidrs, vec!["10.0.0.0/8".parse::<IpNet>().expect("cidr")]);
-        assert!(o.strict_arp && o.masquerade_all);
-        assert_eq!(o.masquerade_bit, 14);
+        assert!(o.strict_arp && o.common.masquerade_all);
+        assert_eq!(o.common.masquerade_bit, 14);
         assert_eq!(o.tcp_timeout, Duration::from_secs(900));
-        assert_eq!(o.local_detector, LocalDetector::Cidr("10.244.0.0/16".into()));
+        assert_eq!(o.common.local_detector, LocalDetector::Cidr("10.244.0.0/16".into()));
         let o6 = IpvsRenderOptions::from_config(&cfg, IpFamily::V6, &node);
         assert_eq!(o6.exclude_cidrs, vec!["fd00::/8".parse::<IpNet>().expect("cidr")]);
-        assert_eq!(o6.local_detector, LocalDetector::None);
+        assert_eq!(o6.common.local_detector, LocalDetector::None);
 
         let st = state(&[], vec![(svc1(Protocol::Tcp), vec![])]);
         let rs = render(&st, &o);

@@ -542,6 +542,7 @@ mod tests {
     use crate::iptables::trace::render_text;
     use crate::ipvs::render::{IpvsRenderOptions, render};
     use crate::model::{Endpoint, NodeInfo, ProxyState, ServicePort, ServicePortName, ServicePortState};
+    use crate::proxy::RenderOptions;
 
     const NODE_IP: &str = "192.168.0.2";
 
@@ -764,7 +765,10 @@ add SIX fd00::1,sctp:3868
 
     fn rendered() -> IpvsRuleset {
         let opts = IpvsRenderOptions {
-            local_detector: LocalDetector::Cidr("10.244.0.0/16".into()),
+            common: RenderOptions {
+                local_detector: LocalDetector::Cidr("10.244.0.0/16".into()),
+                ..RenderOptions::default()
+            },
             ..IpvsRenderOptions::default()
         };
         render(&state(), &opts)

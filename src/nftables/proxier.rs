@@ -24,9 +24,8 @@ use super::ast::{ElemKey, Element, Op, Rule, SetDecl, Transaction, family_keywor
 use super::names::TABLE;
 use super::render::ServiceRenderer;
 use super::ruleset::Ruleset;
-use crate::iptables::proxier::SyncReport;
-use crate::iptables::render::RenderOptions;
 use crate::model::{IpFamily, Protocol, ProxyState, ServicePortName, ServicePortState};
+use crate::proxy::{RenderOptions, SyncReport};
 
 /// Chains flushed by a sync are deleted by the first sync at least this much later.
 pub const STALE_CHAIN_DELAY: Duration = Duration::from_secs(1);
@@ -419,7 +418,7 @@ impl NftProxier {
         Ok(SyncReport {
             full: true,
             rewritten_services: services,
-            restore_bytes: bytes,
+            operations: bytes,
             udp_endpoints_removed: true,
             ..SyncReport::default()
         })
@@ -504,8 +503,8 @@ impl NftProxier {
         Ok(SyncReport {
             full: false,
             rewritten_services: rewritten,
-            deleted_chains: deleted + newly_stale,
-            restore_bytes: size,
+            removed_objects: deleted + newly_stale,
+            operations: size,
             udp_endpoints_removed: udp,
             ..SyncReport::default()
         })

@@ -30,8 +30,8 @@ use super::ast::{
 };
 use super::names::*;
 use crate::config::LocalDetector;
-use crate::iptables::render::{NodePortAddresses, RenderOptions, local_addresses};
 use crate::model::{Endpoint, IpFamily, ProxyState, ServicePortState, categorize_endpoints};
+use crate::proxy::{NodePortAddresses, RenderOptions, local_addresses};
 
 /// One base chain: name, type, hook, numeric priority (knftables' `dstnat-10` etc.).
 struct BaseChain {

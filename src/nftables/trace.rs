@@ -701,13 +701,13 @@ impl<'a> Tracer<'a> {
 mod tests {
     use super::*;
     use crate::config::LocalDetector;
-    use crate::iptables::render::{RenderOptions, local_addresses};
     use crate::iptables::trace::render_text;
     use crate::model::{
         Endpoint, IpFamily, NodeInfo, Protocol, ProxyState, ServicePort, ServicePortName, ServicePortState,
     };
     use crate::nftables::ast::{ChainDecl, Element, Op, SetDecl, Transaction};
     use crate::nftables::render::render_tx;
+    use crate::proxy::{RenderOptions, local_addresses};
 
     const NODE_IP: &str = "192.168.0.2";
 
