@@ -70,7 +70,7 @@ use std::time::{Duration, Instant};
 use kube_proxy::config::LocalDetector;
 use kube_proxy::iptables::IptablesRenderOptions;
 use kube_proxy::iptables::exec::Exec;
-use kube_proxy::iptables::proxier::Proxier;
+use kube_proxy::iptables::proxier::IptablesProxier;
 use kube_proxy::lab::netns::{ChildGuard, Netns};
 use kube_proxy::lab::scenario::NODE;
 use kube_proxy::lab::testbed::{POD_CIDR, Testbed, TestbedSpec};
@@ -497,7 +497,7 @@ fn latency_case(mode: Mode, services: usize, endpoints: usize, c: &Connects) -> 
     let node = bed.node.name().to_string();
     let t = Instant::now();
     let result = in_netns(&node, || match mode {
-        Mode::Iptables => Proxier::new(
+        Mode::Iptables => IptablesProxier::new(
             Exec::new(IpFamily::V4),
             IptablesRenderOptions {
                 common: opts(),
@@ -812,7 +812,8 @@ fn rss_case(mode: Mode, dir: &Path, services: usize, files: usize, changes: usiz
         "--manifests".to_string(),
         dir.display().to_string(),
     ];
-    let families: BTreeSet<&str> = kube_proxy::daemon::families()
+    let proxy_mode = kube_proxy::config::ProxyMode::parse(mode.as_str()).expect("a proxy mode");
+    let families: BTreeSet<&str> = kube_proxy::daemon::modes::families(proxy_mode)
         .iter()
         .map(|f| match f {
             IpFamily::V4 => "IPv4",

@@ -68,7 +68,7 @@ fn main() {
         let mut change = Vec::new();
         for round in 0..5 {
             let t = Instant::now();
-            let mut store = Store::from_objects(&objs, &st.node.name);
+            let store = Store::from_objects(&objs, &st.node.name);
             convert.push(t.elapsed());
             let t = Instant::now();
             let built = store.state(&st.node, IpFamily::V4);
@@ -78,14 +78,17 @@ fn main() {
                 "the objects describe the synthetic state"
             );
             // One endpoint of one Service changes: the next build merges that Service only.
-            let mut builder = StateBuilder::new();
-            builder.build(&store, &st.node, IpFamily::V4);
+            let mut builder = StateBuilder::with_store(store);
+            builder.build(&st.node, IpFamily::V4);
             let mut changed = objs.endpoint_slices[round * 7 % objs.endpoint_slices.len()].clone();
             changed.endpoints[0].addresses[0] = "10.255.255.254".into();
             let name = store::object_name(&changed.metadata);
-            store.slices.insert(name, store::slice_entry(&changed, &st.node.name));
             let t = Instant::now();
-            let rebuilt = builder.build(&store, &st.node, IpFamily::V4);
+            builder.apply(vec![store::Change::Slice(
+                name,
+                Some(store::slice_entry(&changed, &st.node.name)),
+            )]);
+            let rebuilt = builder.build(&st.node, IpFamily::V4);
             change.push(t.elapsed());
             let moved = rebuilt.service_ports.iter().flat_map(|s| &s.endpoints);
             assert!(moved.into_iter().any(|e| e.ip.to_string() == "10.255.255.254"));

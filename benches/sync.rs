@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use kube_proxy::config::LocalDetector;
 use kube_proxy::iptables::exec::{Exec, Fake};
-use kube_proxy::iptables::proxier::Proxier;
+use kube_proxy::iptables::proxier::IptablesProxier;
 use kube_proxy::iptables::{IptablesRenderOptions, render};
 use kube_proxy::model::{IpFamily, synthetic};
 use kube_proxy::proxy::RenderOptions;
@@ -66,14 +66,14 @@ fn main() {
     );
 
     // The exact input a cold full sync sends (captured with the recording fake).
-    let mut fake = Proxier::new(Fake::default(), opts());
+    let mut fake = IptablesProxier::new(Fake::default(), opts());
     fake.sync(&state).expect("fake sync");
     let input = fake.iptables().replaces.first().cloned().unwrap_or_default();
 
     // Floor and cold sync alternate, each in a fresh namespace; medians of `REPS` runs.
     let reps = env("REPS", 3).max(1);
     let (mut floors, mut colds) = (Vec::new(), Vec::new());
-    let mut proxier = Proxier::new(Exec::new(IpFamily::V4), opts());
+    let mut proxier = IptablesProxier::new(Exec::new(IpFamily::V4), opts());
     for _ in 0..reps {
         fresh_namespace();
         let t = Instant::now();
@@ -81,7 +81,7 @@ fn main() {
         floors.push(t.elapsed());
 
         fresh_namespace();
-        proxier = Proxier::new(Exec::new(IpFamily::V4), opts());
+        proxier = IptablesProxier::new(Exec::new(IpFamily::V4), opts());
         let t = Instant::now();
         let report = proxier.sync(&state).expect("cold full sync");
         colds.push(t.elapsed());

@@ -18,7 +18,6 @@ pub mod healthz;
 pub mod http;
 pub mod iptables;
 pub mod ipvs;
-pub mod kube_source;
 pub mod lab;
 pub mod logging;
 pub mod manifest;

@@ -757,16 +757,7 @@ fn daemon(cfg: ProxyConfig, flags: DaemonFlags) -> anyhow::Result<ExitCode> {
             }
             kube_proxy::daemon::SourceConfig::Manifests(dir)
         }
-        None => {
-            let cc = &cfg.client_connection;
-            kube_proxy::daemon::SourceConfig::Api(kube_proxy::daemon::ApiConfig {
-                kubeconfig: cc.kubeconfig.clone(),
-                master: cc.master.clone(),
-                qps: cc.qps,
-                burst: cc.burst,
-                content_type: cc.content_type.clone(),
-            })
-        }
+        None => kube_proxy::daemon::SourceConfig::Api(cfg.client_connection.clone()),
     };
     apply_oom_score_adj(cfg.oom_score_adj);
     kube_proxy::daemon::run(kube_proxy::daemon::DaemonOptions { config: cfg, source })?;

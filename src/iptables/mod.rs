@@ -4,6 +4,7 @@
 pub mod exec;
 pub mod names;
 pub mod proxier;
+pub mod readback;
 pub mod render;
 pub mod replace;
 pub mod trace;

@@ -1,6 +1,6 @@
 //! The iptables proxier: keeps one family's kernel rules equal to the model. A full sync
-//! (at start, after a failure, when the rendering context or the canaries change, and
-//! periodically) writes every chain and deletes stale ones found with `iptables-save`; a
+//! (at start, after a failure, when the rendering context or the canaries change, and every
+//! [`FULL_SYNC_PERIOD`], which the daemon schedules) writes every chain and deletes stale ones found with `iptables-save`; a
 //! partial sync rewrites only the chains of service ports whose state changed, plus the fixed
 //! chains whose content changed, and deletes the chains it stopped using.
 //!
@@ -22,8 +22,11 @@ use super::render::{
     nodeports_tail, render_service,
 };
 use super::replace::merge_table;
-use crate::model::{ProxyState, ServicePortName, ServicePortState};
-use crate::proxy::{SyncReport, restore_operations};
+use crate::config::ProxyMode;
+use crate::model::{IpFamily, ProxyState, ServicePort, ServicePortName, ServicePortState};
+use crate::proxy::{
+    self, Programmed, Proxier, ReadBackError, SyncContext, SyncReport, TableRules, restore_operations, rules_written,
+};
 
 /// Upstream's `FullSyncPeriod`: a full sync at least this often.
 pub const FULL_SYNC_PERIOD: Duration = Duration::from_secs(3600);
@@ -59,23 +62,21 @@ struct Applied {
     filter: String,
 }
 
-pub struct Proxier<I: Iptables> {
+pub struct IptablesProxier<I: Iptables> {
     ipt: I,
     opts: IptablesRenderOptions,
     services: HashMap<ServicePortName, CachedService>,
     applied: Option<Applied>,
-    last_full: Option<Instant>,
     last_attempt_full: bool,
 }
 
-impl<I: Iptables> Proxier<I> {
-    pub fn new(ipt: I, opts: IptablesRenderOptions) -> Proxier<I> {
-        Proxier {
+impl<I: Iptables> IptablesProxier<I> {
+    pub fn new(ipt: I, opts: IptablesRenderOptions) -> IptablesProxier<I> {
+        IptablesProxier {
             ipt,
             opts,
             services: HashMap::new(),
             applied: None,
-            last_full: None,
             last_attempt_full: false,
         }
     }
@@ -121,18 +122,12 @@ impl<I: Iptables> Proxier<I> {
     pub fn sync(&mut self, state: &ProxyState) -> Result<SyncReport, SyncError> {
         let start = Instant::now();
         let ctx = RenderContext::new(state, &self.opts);
-        let full = match (&self.applied, self.last_full) {
-            (Some(applied), Some(last)) => applied.ctx != ctx || last.elapsed() > FULL_SYNC_PERIOD,
-            _ => true,
-        };
+        let full = self.applied.as_ref().is_none_or(|applied| applied.ctx != ctx);
         self.last_attempt_full = full;
         let result = self.sync_inner(state, ctx, full);
         match result {
             Ok(mut report) => {
                 report.elapsed = start.elapsed();
-                if full {
-                    self.last_full = Some(Instant::now());
-                }
                 Ok(report)
             }
             Err(e) => {
@@ -319,8 +314,37 @@ impl<I: Iptables> Proxier<I> {
             self.ipt.restore(&input).map_err(SyncError::Restore)?;
         }
         report.operations = restore_operations(&input);
+        report.tables = rules_written(&input);
         self.applied = Some(Applied { ctx, filter });
         Ok(report)
+    }
+
+    /// The rules we own in filter and nat after a successful sync, with what `written` says
+    /// the sync wrote there.
+    fn owned_rules(&self, written: Vec<TableRules>) -> Vec<TableRules> {
+        let count = |text: &str| text.lines().filter(|l| l.starts_with("-A ")).count();
+        let Some(applied) = &self.applied else {
+            return written;
+        };
+        let nat = count(&masquerade_rules(&applied.ctx))
+            + count(&nodeports_tail(&applied.ctx))
+            + self
+                .services
+                .values()
+                .map(|c| {
+                    let f = &c.fragment;
+                    count(&f.services_rules) + count(&f.nodeports_rules) + count(&f.chain_rules)
+                })
+                .sum::<usize>();
+        let owned = [("filter", count(&applied.filter)), ("nat", nat)];
+        owned
+            .into_iter()
+            .map(|(table, total)| TableRules {
+                table: table.to_string(),
+                total,
+                written: written.iter().find(|w| w.table == table).map_or(0, |w| w.written),
+            })
+            .collect()
     }
 
     /// What a full sync does before the restore: our fixed chains, the jump rules from the
@@ -380,6 +404,7 @@ fn replace_tables<I: Iptables>(
     ipt.ensure_chain("mangle", KUBE_PROXY_CANARY)
         .map_err(SyncError::Setup)?;
     report.operations = restore_operations(&input);
+    report.tables = rules_written(&input);
     Ok((
         report,
         Applied {
@@ -461,6 +486,62 @@ pub fn cleanup<I: Iptables>(ipt: &mut I) -> Vec<String> {
     errors
 }
 
+// === impl proxy::Proxier ===
+
+impl<I: Iptables> Proxier for IptablesProxier<I> {
+    fn mode(&self) -> ProxyMode {
+        ProxyMode::Iptables
+    }
+
+    fn family(&self) -> IpFamily {
+        self.ipt.family()
+    }
+
+    fn configure(&mut self, ctx: &SyncContext<'_>) {
+        let mut opts = IptablesRenderOptions::from_config(ctx.config, self.ipt.family(), ctx.node);
+        opts.tcp_be_liberal = ctx.tcp_be_liberal;
+        self.set_options(opts);
+    }
+
+    fn sync_full(&mut self, state: &ProxyState) -> Result<SyncReport, proxy::SyncError> {
+        self.force_full_sync();
+        self.sync_changes(state)
+    }
+
+    fn sync_changes(&mut self, state: &ProxyState) -> Result<SyncReport, proxy::SyncError> {
+        let mut report = self
+            .sync(state)
+            .map_err(|e| proxy::SyncError::new(self.last_attempt_full, e))?;
+        report.tables = self.owned_rules(std::mem::take(&mut report.tables));
+        Ok(report)
+    }
+
+    fn intact(&mut self) -> bool {
+        self.canaries_intact()
+    }
+
+    fn full_sync_period(&self) -> Option<Duration> {
+        Some(FULL_SYNC_PERIOD)
+    }
+
+    fn cleanup(&mut self) -> Vec<String> {
+        self.applied = None;
+        cleanup(&mut self.ipt)
+    }
+
+    fn read_back(&mut self, port: &ServicePort) -> Result<Programmed, ReadBackError> {
+        let mut sections = Vec::new();
+        for table in ["filter", "nat"] {
+            let saved = self.ipt.save_counters(table).map_err(|e| ReadBackError {
+                what: port.name.to_string(),
+                message: e.to_string(),
+            })?;
+            sections.extend(super::readback::service_port_sections(table, &saved, port));
+        }
+        Ok(Programmed { sections })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -501,7 +582,7 @@ mod tests {
             port("a", 1, Protocol::Tcp, &[1, 2]),
             port("b", 2, Protocol::Tcp, &[]),
         ]);
-        let mut p = Proxier::new(Fake::default(), opts());
+        let mut p = IptablesProxier::new(Fake::default(), opts());
         let r = p.sync(&st).unwrap();
         assert!(r.full);
         let ipt = p.iptables();
@@ -521,7 +602,7 @@ mod tests {
     #[test]
     fn unchanged_state_writes_nothing() {
         let st = state(vec![port("a", 1, Protocol::Tcp, &[1, 2])]);
-        let mut p = Proxier::new(Fake::default(), opts());
+        let mut p = IptablesProxier::new(Fake::default(), opts());
         p.sync(&st).unwrap();
         let r = p.sync(&st).unwrap();
         assert!(!r.full);
@@ -539,7 +620,7 @@ mod tests {
             port("a", 1, Protocol::Tcp, &[1]),
             port("b", 2, Protocol::Tcp, &[3]),
         ]);
-        let mut p = Proxier::new(Fake::default(), opts());
+        let mut p = IptablesProxier::new(Fake::default(), opts());
         p.sync(&before).unwrap();
         let r = p.sync(&after).unwrap();
         assert!(!r.full && r.rewritten_services == 1 && r.removed_objects == 1, "{r:?}");
@@ -567,7 +648,7 @@ mod tests {
             port("a", 1, Protocol::Tcp, &[1]),
             port("b", 2, Protocol::Tcp, &[3]),
         ]);
-        let mut p = Proxier::new(Fake::default(), opts());
+        let mut p = IptablesProxier::new(Fake::default(), opts());
         p.sync(&one).unwrap();
         p.sync(&two).unwrap();
         let input = p.iptables().restores.last().unwrap().clone();
@@ -588,7 +669,7 @@ mod tests {
     #[test]
     fn failure_forces_a_full_sync_and_full_sync_deletes_leftovers() {
         let st = state(vec![port("a", 1, Protocol::Tcp, &[1])]);
-        let mut p = Proxier::new(Fake::default(), opts());
+        let mut p = IptablesProxier::new(Fake::default(), opts());
         p.sync(&st).unwrap();
         p.iptables().fail_next_restore = Some("iptables-restore: line 2 failed".into());
         let changed = state(vec![port("a", 1, Protocol::Tcp, &[1, 2])]);
@@ -611,7 +692,7 @@ mod tests {
     fn udp_endpoint_loss_is_reported_for_conntrack_cleanup() {
         let before = state(vec![port("dns", 10, Protocol::Udp, &[1, 2])]);
         let after = state(vec![port("dns", 10, Protocol::Udp, &[2])]);
-        let mut p = Proxier::new(Fake::default(), opts());
+        let mut p = IptablesProxier::new(Fake::default(), opts());
         assert!(!p.sync(&before).unwrap().udp_endpoints_removed);
         assert!(p.sync(&after).unwrap().udp_endpoints_removed);
         let more = state(vec![port("dns", 10, Protocol::Udp, &[2, 3])]);
@@ -620,7 +701,7 @@ mod tests {
 
     #[test]
     fn canaries() {
-        let mut p = Proxier::new(Fake::default(), opts());
+        let mut p = IptablesProxier::new(Fake::default(), opts());
         assert!(!p.canaries_intact());
         p.sync(&state(vec![])).unwrap();
         assert!(p.canaries_intact());
@@ -640,7 +721,7 @@ mod tests {
             "nat".into(),
             "*nat\n:PREROUTING ACCEPT [0:0]\n:CNI-X - [0:0]\n[1:60] -A PREROUTING -j CNI-X\nCOMMIT\n".into(),
         );
-        let mut p = Proxier::new(fake, opts());
+        let mut p = IptablesProxier::new(fake, opts());
         let r = p.sync(&st).unwrap();
         assert!(r.full);
         let ipt = p.iptables();

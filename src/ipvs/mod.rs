@@ -3,6 +3,7 @@
 //! modules beside it decide what the table should hold, and [`trace`] follows a packet
 //! through what they decided.
 
+pub mod dataplane;
 pub mod host;
 pub mod names;
 pub mod netlink;

@@ -235,6 +235,15 @@ impl<V: Ipvs, I: Iptables, H: IpvsHost> IpvsProxier<V, I, H> {
         &mut self.host
     }
 
+    pub fn family(&self) -> IpFamily {
+        self.family
+    }
+
+    /// The three edges at once (cleanup needs them together).
+    pub fn parts(&mut self) -> (&mut V, &mut I, &mut H) {
+        (&mut self.ipvs, &mut self.ipt, &mut self.host)
+    }
+
     /// New options (they depend on the Node, which may change); a change makes the next sync
     /// a full one and sets sysctls and timeouts again.
     pub fn set_options(&mut self, opts: IpvsRenderOptions) {

@@ -4,6 +4,10 @@
 //! source's own view and the snapshots it hands out, so a snapshot costs pointers, and two
 //! snapshots compare entry by entry, mostly by pointer.
 //!
+//! Sources hand the daemon object-level [`Change`]s (a source knows what changed when an
+//! event arrives or a file is re-read); the [`StateBuilder`] applies them to its store and
+//! re-merges only the Services they touch. That is the one place a change is detected.
+//!
 //! At 10,000 Services × 10 endpoints the objects take ~62 MiB as k8s-openapi values and ~12
 //! MiB as entries (see docs/nftables.md, "Daemon memory").
 
@@ -78,34 +82,71 @@ impl Store {
     /// The state of `family` as the node `node` programs it: service ports sorted by name and
     /// protocol, each with its endpoints merged from all slices of its Service.
     pub fn state(&self, node: &NodeInfo, family: IpFamily) -> ProxyState {
-        StateBuilder::new().build(self, node, family)
+        StateBuilder::with_store(self.clone()).build(node, family)
     }
 
-    /// What changed from `old` to `self`, object by object.
-    pub fn changes_since(&self, old: &Store) -> Changes {
-        let services = changed_keys(&old.services, &self.services).len();
-        let changed_slices = changed_keys(&old.slices, &self.slices);
-        let triggers = changed_slices
-            .iter()
-            .filter_map(|k| self.slices.get(*k))
-            .filter_map(|s| s.trigger_time)
-            .collect();
-        Changes {
-            services,
-            slices: changed_slices.len(),
-            others: old.nodes != self.nodes || old.service_cidrs != self.service_cidrs,
-            triggers,
+    /// The changes that turn `old` into `self`, object by object (a source that re-reads a
+    /// whole view, such as a manifest directory or a relist, compares its views this way).
+    pub fn diff(&self, old: &Store) -> Vec<Change> {
+        let mut out = Vec::new();
+        for key in changed_keys(&old.services, &self.services) {
+            out.push(Change::Service(key.clone(), self.services.get(key).cloned()));
+        }
+        for key in changed_keys(&old.slices, &self.slices) {
+            out.push(Change::Slice(key.clone(), self.slices.get(key).cloned()));
+        }
+        if old.nodes != self.nodes {
+            out.push(Change::Nodes(self.nodes.clone()));
+        }
+        if old.service_cidrs != self.service_cidrs {
+            out.push(Change::ServiceCidrs(self.service_cidrs.clone()));
+        }
+        out
+    }
+
+    /// Applies one change; the entry it replaced, for the caller to compare.
+    fn apply(&mut self, change: Change) -> Applied {
+        match change {
+            Change::Service(name, Some(entry)) => Applied::Service(self.services.insert(name, entry)),
+            Change::Service(name, None) => Applied::Service(self.services.remove(&name)),
+            Change::Slice(name, Some(entry)) => Applied::Slice(self.slices.insert(name, entry)),
+            Change::Slice(name, None) => Applied::Slice(self.slices.remove(&name)),
+            Change::Nodes(nodes) => Applied::Other(std::mem::replace(&mut self.nodes, nodes) != self.nodes),
+            Change::ServiceCidrs(cidrs) => {
+                Applied::Other(std::mem::replace(&mut self.service_cidrs, cidrs) != self.service_cidrs)
+            }
         }
     }
 }
 
-/// Builds the state of one family from successive snapshots of a store, merging again only
-/// the Services whose Service object or EndpointSlices changed since the previous build: a
-/// sync after one endpoint change costs that Service, not the cluster (at 10k × 10, 82 ms
-/// for a whole build; see `cargo bench --bench render`).
+/// One object-level change, as a source hands it to the daemon.
+#[derive(Clone, Debug)]
+pub enum Change {
+    /// A Service was added or changed (`Some`), or deleted (`None`).
+    Service(ObjectName, Option<Arc<ServiceEntry>>),
+    /// An EndpointSlice was added or changed, or deleted.
+    Slice(ObjectName, Option<Arc<SliceEntry>>),
+    /// The Nodes the source sees, whole (the API source watches only this node).
+    Nodes(Vec<Node>),
+    /// The ServiceCIDRs, whole.
+    ServiceCidrs(Vec<ServiceCIDR>),
+}
+
+/// What [`Store::apply`] replaced.
+enum Applied {
+    Service(Option<Arc<ServiceEntry>>),
+    Slice(Option<Arc<SliceEntry>>),
+    /// Whether the Nodes or ServiceCIDRs differ.
+    Other(bool),
+}
+
+/// Keeps the objects (a [`Store`]) and builds the state of each family from them, merging
+/// again only the Services whose Service object or EndpointSlices changed since that
+/// family's previous build: a sync after one endpoint change costs that Service, not the
+/// cluster (at 10k × 10, 82 ms for a whole build; see `cargo bench --bench render`).
 pub struct StateBuilder {
-    /// The snapshot of the previous build (its entries are shared, not copied).
-    last: Store,
+    /// The objects as the changes applied so far left them.
+    store: Store,
     /// The slices of each Service (sorted), by the Service they name. A `Vec`: most Services
     /// have one slice, and a set would allocate a whole tree node for it.
     slices_of: HashMap<ObjectName, Vec<ObjectName>>,
@@ -134,54 +175,101 @@ impl Default for StateBuilder {
 
 impl StateBuilder {
     pub fn new() -> StateBuilder {
-        StateBuilder {
-            last: Store::default(),
-            slices_of: HashMap::new(),
-            families: [FamilyCache::default(), FamilyCache::default()],
-        }
+        StateBuilder::with_store(Store::default())
     }
 
-    /// Notes which Services changed from the previous snapshot to `store`, for every family.
-    fn advance(&mut self, store: &Store) {
-        let mut dirty: BTreeSet<ObjectName> = changed_keys(&self.last.services, &store.services)
-            .into_iter()
-            .cloned()
-            .collect();
-        let changed_slices = changed_keys(&self.last.slices, &store.slices);
-        if dirty.is_empty() && changed_slices.is_empty() {
-            // Also the second family's build after the first one's.
-            return;
-        }
-        for key in changed_slices {
-            if let Some(svc) = self.last.slices.get(key).and_then(|s| s.service.as_ref()) {
-                dirty.insert(svc.clone());
-                if let Some(list) = self.slices_of.get_mut(svc) {
-                    if let Ok(i) = list.binary_search(key) {
-                        list.remove(i);
-                    }
-                    if list.is_empty() {
-                        self.slices_of.remove(svc);
+    /// A builder over `store` (whose Services all count as changed for each family's first
+    /// build).
+    pub fn with_store(store: Store) -> StateBuilder {
+        let mut builder = StateBuilder {
+            store: Store::default(),
+            slices_of: HashMap::new(),
+            families: [FamilyCache::default(), FamilyCache::default()],
+        };
+        builder.store.warnings = store.warnings.clone();
+        builder.apply(store.diff(&Store::default()));
+        builder
+    }
+
+    /// The objects as they stand.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// Applies the changes a source reported and notes, for every family already built,
+    /// which Services they touch; what actually changed (a change to an equal entry is none).
+    pub fn apply(&mut self, changes: Vec<Change>) -> Changes {
+        let mut summary = Changes::default();
+        let mut dirty: BTreeSet<ObjectName> = BTreeSet::new();
+        for change in changes {
+            match change {
+                Change::Service(name, entry) => {
+                    let new = entry.clone();
+                    let Applied::Service(old) = self.store.apply(Change::Service(name.clone(), entry)) else {
+                        continue;
+                    };
+                    if !same(old.as_ref(), new.as_ref()) {
+                        summary.services += 1;
+                        dirty.insert(name);
                     }
                 }
-            }
-            if let Some(svc) = store.slices.get(key).and_then(|s| s.service.as_ref()) {
-                dirty.insert(svc.clone());
-                let list = self.slices_of.entry(svc.clone()).or_default();
-                if let Err(i) = list.binary_search(key) {
-                    list.reserve_exact(1);
-                    list.insert(i, key.clone());
+                Change::Slice(name, entry) => {
+                    let new = entry.clone();
+                    let Applied::Slice(old) = self.store.apply(Change::Slice(name.clone(), entry)) else {
+                        continue;
+                    };
+                    if same(old.as_ref(), new.as_ref()) {
+                        continue;
+                    }
+                    summary.slices += 1;
+                    summary.triggers.extend(new.as_ref().and_then(|s| s.trigger_time));
+                    self.move_slice(&name, old.as_deref(), new.as_deref(), &mut dirty);
+                }
+                other => {
+                    if let Applied::Other(changed) = self.store.apply(other) {
+                        summary.others |= changed;
+                    }
                 }
             }
         }
         for cache in self.families.iter_mut().filter(|c| c.built) {
             cache.dirty.extend(dirty.iter().cloned());
         }
-        self.last = store.clone();
+        summary
     }
 
-    /// The state of `family` in `store` as the node `node` programs it (see [`Store::state`]).
-    pub fn build(&mut self, store: &Store, node: &NodeInfo, family: IpFamily) -> ProxyState {
-        self.advance(store);
+    /// Files the slice `key` under its new Service; both Services need merging again.
+    fn move_slice(
+        &mut self,
+        key: &ObjectName,
+        old: Option<&SliceEntry>,
+        new: Option<&SliceEntry>,
+        dirty: &mut BTreeSet<ObjectName>,
+    ) {
+        if let Some(svc) = old.and_then(|s| s.service.as_ref()) {
+            dirty.insert(svc.clone());
+            if let Some(list) = self.slices_of.get_mut(svc) {
+                if let Ok(i) = list.binary_search(key) {
+                    list.remove(i);
+                }
+                if list.is_empty() {
+                    self.slices_of.remove(svc);
+                }
+            }
+        }
+        if let Some(svc) = new.and_then(|s| s.service.as_ref()) {
+            dirty.insert(svc.clone());
+            let list = self.slices_of.entry(svc.clone()).or_default();
+            if let Err(i) = list.binary_search(key) {
+                list.reserve_exact(1);
+                list.insert(i, key.clone());
+            }
+        }
+    }
+
+    /// The state of `family` as the node `node` programs it (see [`Store::state`]).
+    pub fn build(&mut self, node: &NodeInfo, family: IpFamily) -> ProxyState {
+        let store = &self.store;
         let cache = &mut self.families[usize::from(family == IpFamily::V6)];
         if !cache.built {
             cache.built = true;
@@ -256,6 +344,15 @@ fn insert_first<T>(
     }
 }
 
+/// Whether two versions of an entry are equal (equal pointers are equal entries).
+fn same<T: PartialEq>(a: Option<&Arc<T>>, b: Option<&Arc<T>>) -> bool {
+    match (a, b) {
+        (Some(a), Some(b)) => Arc::ptr_eq(a, b) || a == b,
+        (None, None) => true,
+        _ => false,
+    }
+}
+
 /// Keys whose entries differ (added, removed or changed); equal pointers are equal entries.
 fn changed_keys<'a, T: PartialEq>(
     old: &'a BTreeMap<ObjectName, Arc<T>>,
@@ -315,7 +412,7 @@ fn service_cidrs(list: &[ServiceCIDR], family: IpFamily, warnings: &mut Vec<Stri
     out
 }
 
-/// What changed between two snapshots of a [`Store`].
+/// What a batch of changes changed, as [`StateBuilder::apply`] found it.
 #[derive(Debug, Default)]
 pub struct Changes {
     /// Services added, changed or removed.
@@ -381,14 +478,22 @@ mod tests {
     #[test]
     fn changes_count_objects_and_collect_trigger_times() {
         let a = Store::from_objects(&objects(WEB), "node-a");
+        let mut builder = StateBuilder::with_store(a.clone());
         let same = Store::from_objects(&objects(WEB), "node-a");
-        assert!(!same.changes_since(&a).any(), "equal entries are no change");
+        assert!(same.diff(&a).is_empty(), "equal entries are no change");
+        // A source that sends equal entries anyway (new allocations) changes nothing either.
+        let resent: Vec<Change> = same
+            .services
+            .iter()
+            .map(|(k, v)| Change::Service(k.clone(), Some(v.clone())))
+            .collect();
+        assert!(!builder.apply(resent).any(), "equal entries are no change");
         let b = Store::from_objects(&objects(&WEB.replace("10.1.0.2", "10.1.0.3")), "node-a");
-        let c = b.changes_since(&a);
+        let c = builder.apply(b.diff(&a));
         assert_eq!((c.services, c.slices, c.others), (0, 1, false));
         assert_eq!(c.triggers.len(), 1);
         let none = Store::default();
-        let c = none.changes_since(&a);
+        let c = builder.apply(none.diff(&b));
         assert_eq!((c.services, c.slices), (1, 1), "deletions count");
         assert!(c.triggers.is_empty(), "a deleted slice has no trigger time");
     }
@@ -403,15 +508,17 @@ mod tests {
             "clusterIP: 10.96.0.1,",
             "clusterIP: 10.96.0.1, clusterIPs: [10.96.0.1, \"fd00::1\"],",
         ) + "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: web-6\n  namespace: d\n  labels: {kubernetes.io/service-name: web}\naddressType: IPv6\nports: [{name: \"\", port: 8080}]\nendpoints:\n- {addresses: [\"fd00:10::1\"]}\n";
-        let mut builder = StateBuilder::new();
-        builder.build(&Store::from_objects(&objects(WEB), "node-a"), &node, IpFamily::V4);
+        let first = Store::from_objects(&objects(WEB), "node-a");
+        let mut builder = StateBuilder::with_store(first.clone());
+        builder.build(&node, IpFamily::V4);
         let store = Store::from_objects(&objects(&dual), "node-a");
-        builder.build(&store, &node, IpFamily::V4);
+        builder.apply(store.diff(&first));
+        builder.build(&node, IpFamily::V4);
         assert!(
             builder.families[1].dirty.is_empty(),
             "IPv6 was never built: nothing tracked"
         );
-        let v6 = builder.build(&store, &node, IpFamily::V6);
+        let v6 = builder.build(&node, IpFamily::V6);
         assert_eq!(v6.service_ports, store.state(&node, IpFamily::V6).service_ports);
         assert_eq!(v6.service_ports.len(), 1);
         assert_eq!(v6.service_ports[0].endpoints.len(), 1);
@@ -487,6 +594,7 @@ mod tests {
                 let node = NodeInfo { name: "node-a".into(), ..NodeInfo::default() };
                 let mut present: BTreeMap<(u8, u8), String> = BTreeMap::new();
                 let mut builder = StateBuilder::new();
+                let mut previous = Store::default();
                 for (kind, n, variant, remove) in steps {
                     let n = if kind == 0 { n % 4 } else { n };
                     if remove {
@@ -498,10 +606,12 @@ mod tests {
                     let text = present.values().cloned().collect::<Vec<_>>().join("---\n");
                     crate::manifest::load_str(std::path::Path::new("p.yaml"), &text, &mut objects).expect("parses");
                     let store = Store::from_objects(&objects, "node-a");
-                    let built = builder.build(&store, &node, IpFamily::V4);
+                    builder.apply(store.diff(&previous));
+                    let built = builder.build(&node, IpFamily::V4);
                     prop_assert_eq!(&built.service_ports, &reference(&objects, &node));
                     let fresh = store.state(&node, IpFamily::V4);
                     prop_assert_eq!(&built.warnings, &fresh.warnings);
+                    previous = store;
                 }
             }
         }

@@ -8,6 +8,7 @@ pub mod ast;
 pub mod names;
 pub mod netlink;
 pub mod proxier;
+pub mod readback;
 pub mod render;
 pub mod ruleset;
 pub mod trace;

@@ -22,10 +22,14 @@ use std::time::{Duration, Instant};
 
 use super::ast::{ElemKey, Element, Op, Rule, SetDecl, Transaction, family_keyword};
 use super::names::TABLE;
+use super::readback::{self, NftObject};
 use super::render::ServiceRenderer;
 use super::ruleset::Ruleset;
-use crate::model::{IpFamily, Protocol, ProxyState, ServicePortName, ServicePortState};
-use crate::proxy::{RenderOptions, SyncReport};
+use crate::config::ProxyMode;
+use crate::model::{IpFamily, Protocol, ProxyState, ServicePort, ServicePortName, ServicePortState};
+use crate::proxy::{
+    Programmed, ProgrammedSection, Proxier, ReadBackError, RenderOptions, SyncContext, SyncError, SyncReport,
+};
 
 /// Chains flushed by a sync are deleted by the first sync at least this much later.
 pub const STALE_CHAIN_DELAY: Duration = Duration::from_secs(1);
@@ -53,6 +57,11 @@ pub trait NftBackend: Send {
     fn apply(&mut self, tx: &Transaction) -> Result<(), NftError>;
     /// Whether the family's `kube-proxy` table exists.
     fn table_exists(&mut self, family: IpFamily) -> Result<bool, NftError>;
+    /// One chain or map of the family's table as `nft list` prints it; `None` when the table
+    /// has no such object. (Netlink dumps are not decoded yet: this asks `nft`.)
+    fn list(&mut self, family: IpFamily, object: &NftObject) -> Result<Option<String>, NftError> {
+        nft_list(family, object)
+    }
 }
 
 /// The `nft` command: each transaction is piped to `nft -f -`.
@@ -133,6 +142,65 @@ impl NftBackend for RecordingBackend {
 
     fn table_exists(&mut self, family: IpFamily) -> Result<bool, NftError> {
         Ok(self.recorded().tables.get(&family).is_some_and(|t| t.exists))
+    }
+
+    /// The recorded table, printed the way `nft list` frames it.
+    fn list(&mut self, family: IpFamily, object: &NftObject) -> Result<Option<String>, NftError> {
+        let r = self.recorded();
+        let Some(table) = r.tables.get(&family).filter(|t| t.exists) else {
+            return Ok(None);
+        };
+        let f = family_keyword(family);
+        let body = match object {
+            NftObject::Chain(name) => {
+                let Some(chain) = table.chains.get(name) else {
+                    return Ok(None);
+                };
+                let rules: Vec<String> = chain
+                    .rules
+                    .iter()
+                    .map(|r| format!("\t\t{}\n", r.text(family)))
+                    .collect();
+                format!("\tchain {name} {{\n{}\t}}\n", rules.concat())
+            }
+            NftObject::Map(name) => {
+                let Some(set) = table.sets.get(name) else {
+                    return Ok(None);
+                };
+                let elements: Vec<String> = set
+                    .elements
+                    .values()
+                    .map(|e| match &e.value {
+                        Some(v) => format!("{} : {v}", e.key),
+                        None => e.key.to_string(),
+                    })
+                    .collect();
+                format!("\tmap {name} {{\n\t\telements = {{ {} }}\n\t}}\n", elements.join(", "))
+            }
+        };
+        Ok(Some(format!("table {f} {TABLE} {{\n{body}}}\n")))
+    }
+}
+
+/// `nft list chain|map FAMILY kube-proxy NAME`; `None` when it does not exist.
+pub fn nft_list(family: IpFamily, object: &NftObject) -> Result<Option<String>, NftError> {
+    let out = Command::new("nft")
+        .args(["list", object.kind(), family_keyword(family), TABLE, object.name()])
+        .output()
+        .map_err(|e| NftError(format!("running nft: {e}")))?;
+    if out.status.success() {
+        return Ok(Some(String::from_utf8_lossy(&out.stdout).into_owned()));
+    }
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if stderr.contains("No such file or directory") {
+        Ok(None)
+    } else {
+        Err(NftError(format!(
+            "nft list {} {}: {}",
+            object.kind(),
+            object.name(),
+            stderr.trim()
+        )))
     }
 }
 
@@ -282,6 +350,8 @@ pub struct NftProxier {
     opts: RenderOptions,
     backend: Box<dyn NftBackend>,
     applied: Option<Applied>,
+    /// Whether the last sync attempted rebuilt the table.
+    last_attempt_full: bool,
     max_ops: usize,
     stale_delay: Duration,
 }
@@ -307,6 +377,7 @@ impl NftProxier {
             opts,
             backend,
             applied: None,
+            last_attempt_full: false,
             max_ops: MAX_OPS_PER_TRANSACTION,
             stale_delay: STALE_CHAIN_DELAY,
         }
@@ -353,10 +424,11 @@ impl NftProxier {
         let start = Instant::now();
         let renderer = ServiceRenderer::new(state, &self.opts);
         let incremental = self.applied.as_ref().is_some_and(|a| a.renderer == renderer);
+        self.last_attempt_full = !incremental;
         let result = if incremental {
-            self.sync_changes(state)
+            self.send_changes(state)
         } else {
-            self.full_sync(state, renderer)
+            self.rebuild(state, renderer)
         };
         match result {
             Ok(mut report) => {
@@ -372,7 +444,7 @@ impl NftProxier {
     }
 
     /// Deletes and rebuilds the table in bounded transactions, priority services first.
-    fn full_sync(&mut self, state: &ProxyState, renderer: ServiceRenderer) -> Result<SyncReport, NftError> {
+    fn rebuild(&mut self, state: &ProxyState, renderer: ServiceRenderer) -> Result<SyncReport, NftError> {
         self.applied = None;
         let mut applied = Applied {
             renderer,
@@ -425,7 +497,7 @@ impl NftProxier {
     }
 
     /// Sends what changed since the last sync.
-    fn sync_changes(&mut self, state: &ProxyState) -> Result<SyncReport, NftError> {
+    fn send_changes(&mut self, state: &ProxyState) -> Result<SyncReport, NftError> {
         let stale_delay = self.stale_delay;
         let Some(applied) = self.applied.as_mut() else {
             return Err(NftError("no programmed table to update".into()));
@@ -627,6 +699,103 @@ fn finish_plan(tx: &mut Transaction, plan: Plan, applied: &mut Applied, now: Ins
     }
     tx.ops.extend(plan.stale_flushes);
     tx.ops.extend(plan.set_deletes);
+}
+
+// === impl proxy::Proxier ===
+
+impl Proxier for NftProxier {
+    fn mode(&self) -> ProxyMode {
+        ProxyMode::Nftables
+    }
+
+    fn family(&self) -> IpFamily {
+        self.family
+    }
+
+    fn configure(&mut self, ctx: &SyncContext<'_>) {
+        self.set_options(RenderOptions::from_config(ctx.config, self.family, ctx.node));
+    }
+
+    fn sync_full(&mut self, state: &ProxyState) -> Result<SyncReport, SyncError> {
+        self.force_full_sync();
+        self.sync_changes(state)
+    }
+
+    fn sync_changes(&mut self, state: &ProxyState) -> Result<SyncReport, SyncError> {
+        self.sync(state).map_err(|e| SyncError::new(self.last_attempt_full, e))
+    }
+
+    fn intact(&mut self) -> bool {
+        self.table_exists()
+    }
+
+    fn next_cleanup(&self) -> Option<Instant> {
+        NftProxier::next_cleanup(self)
+    }
+
+    fn cleanup(&mut self) -> Vec<String> {
+        self.applied = None;
+        let mut tx = Transaction::new(self.family);
+        // add + delete: deleting a table that is not there would be an error.
+        tx.push(Op::AddTable);
+        tx.push(Op::DeleteTable);
+        match self.backend.apply(&tx) {
+            Ok(()) => Vec::new(),
+            Err(e) => vec![format!(
+                "deleting the {} {TABLE} table: {e}",
+                family_keyword(self.family)
+            )],
+        }
+    }
+
+    fn read_back(&mut self, port: &ServicePort) -> Result<Programmed, ReadBackError> {
+        let family = self.family;
+        let err = |e: NftError| ReadBackError {
+            what: port.name.to_string(),
+            message: e.to_string(),
+        };
+        let place = |kind: &str, name: &str| format!("{} {TABLE} {kind} {name}", family_keyword(family));
+        let mut sections = Vec::new();
+        let mut chains = readback::own_chains(port);
+        let mut i = 0;
+        while i < chains.len() {
+            let object = NftObject::Chain(chains[i].clone());
+            i += 1;
+            let Some(listing) = self.backend.list(family, &object).map_err(err)? else {
+                continue;
+            };
+            let lines = readback::chain_lines(&listing);
+            for ep in readback::endpoint_chains(&lines) {
+                if !chains.contains(&ep) {
+                    chains.push(ep);
+                }
+            }
+            sections.push(ProgrammedSection {
+                place: place("chain", object.name()),
+                lines,
+            });
+        }
+        for map in readback::DISPATCH_MAPS {
+            let Some(listing) = self
+                .backend
+                .list(family, &NftObject::Map(map.to_string()))
+                .map_err(err)?
+            else {
+                continue;
+            };
+            let lines: Vec<String> = readback::map_elements(&listing)
+                .into_iter()
+                .filter(|e| readback::element_of(e, port, &chains))
+                .collect();
+            if !lines.is_empty() {
+                sections.push(ProgrammedSection {
+                    place: place("map", map),
+                    lines,
+                });
+            }
+        }
+        Ok(Programmed { sections })
+    }
 }
 
 #[cfg(test)]

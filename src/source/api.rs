@@ -4,15 +4,15 @@
 //!
 //! A relist (after a 410 Gone or a reconnect) is framed by `Init … InitDone`; objects that
 //! vanished meanwhile get no `Delete` event, so each kind's store is swapped whole at
-//! `InitDone`, which turns them into deletions. Nothing is handed to the proxy before both
-//! Services and EndpointSlices have been listed once (upstream's `isInitialized`). While the
-//! API server is unreachable the store, and so the rules, stay as they are. Services and
-//! EndpointSlices are converted to the model's entries as they arrive (`model::store`); the
-//! k8s objects are not kept.
+//! `InitDone`, which turns them into deletions. Updates say whether both Services and
+//! EndpointSlices have been listed once (upstream's `isInitialized`); the daemon syncs nothing
+//! before. While the API server is unreachable nothing is sent, so the rules stay as they
+//! are. Services and EndpointSlices are converted to the model's entries as they arrive
+//! (`model::store`); the k8s objects are not kept. Each event that changes what the proxy sees
+//! becomes an [`Update`] (an update that converts to an equal entry is none).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
 
 use anyhow::Context;
@@ -25,11 +25,13 @@ use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource};
 use serde::de::DeserializeOwned;
+use tokio::sync::mpsc::UnboundedSender;
 use tracing::{info, warn};
 
-use crate::daemon::ApiConfig;
-use crate::model::store::{self, ObjectName, object_name};
+use crate::config::ClientConnection;
+use crate::model::store::{self, Change, ObjectName, object_name};
 use crate::model::{LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME, ServiceEntry, SliceEntry};
+use crate::source::{Running, Source, Update};
 
 /// Upstream's informer label selector for Services and EndpointSlices.
 pub fn label_selector() -> String {
@@ -54,37 +56,60 @@ impl<T> Default for KindStore<T> {
     }
 }
 
-impl<T: PartialEq> KindStore<T> {
-    /// Applies one watcher event, converting objects with `convert`; true if what the proxy
-    /// sees changed (an update that converts to an equal entry changes nothing).
-    fn apply<K: Resource>(&mut self, event: watcher::Event<K>, convert: impl Fn(&K) -> T) -> bool {
+impl<T: PartialEq + Clone> KindStore<T> {
+    /// Applies one watcher event, converting objects with `convert`; what the proxy sees
+    /// change, as `(name, new version or None)` (an update that converts to an equal entry
+    /// changes nothing).
+    fn apply<K: Resource>(
+        &mut self,
+        event: watcher::Event<K>,
+        convert: impl Fn(&K) -> T,
+    ) -> Vec<(ObjectName, Option<T>)> {
         match event {
             watcher::Event::Init => {
                 self.relist = Some(BTreeMap::new());
-                false
+                Vec::new()
             }
             watcher::Event::InitApply(o) => {
                 if let Some(buf) = self.relist.as_mut() {
                     buf.insert(object_name(o.meta()), convert(&o));
                 }
-                false
+                Vec::new()
             }
             watcher::Event::InitDone => {
                 // Objects missing from the new list were deleted while we were not watching.
-                self.objects = self.relist.take().unwrap_or_default();
+                let new = self.relist.take().unwrap_or_default();
+                let old = std::mem::replace(&mut self.objects, new);
                 self.synced = true;
-                true
+                let mut out: Vec<(ObjectName, Option<T>)> = old
+                    .iter()
+                    .filter(|(k, _)| !self.objects.contains_key(*k))
+                    .map(|(k, _)| (k.clone(), None))
+                    .collect();
+                out.extend(
+                    self.objects
+                        .iter()
+                        .filter(|(k, v)| old.get(*k) != Some(*v))
+                        .map(|(k, v)| (k.clone(), Some(v.clone()))),
+                );
+                out
             }
             watcher::Event::Apply(o) => {
                 let name = object_name(o.meta());
                 let entry = convert(&o);
                 if self.objects.get(&name) == Some(&entry) {
-                    return false;
+                    return Vec::new();
                 }
-                self.objects.insert(name, entry);
-                true
+                self.objects.insert(name.clone(), entry.clone());
+                vec![(name, Some(entry))]
             }
-            watcher::Event::Delete(o) => self.objects.remove(&object_name(o.meta())).is_some(),
+            watcher::Event::Delete(o) => {
+                let name = object_name(o.meta());
+                match self.objects.remove(&name) {
+                    Some(_) => vec![(name, None)],
+                    None => Vec::new(),
+                }
+            }
         }
     }
 }
@@ -96,15 +121,37 @@ struct Watched {
     nodes: KindStore<Node>,
 }
 
+impl Watched {
+    /// Both initial lists are in.
+    fn synced(&self) -> bool {
+        self.services.synced && self.slices.synced
+    }
+}
+
+/// The Kubernetes API as a [`Source`], reached as `clientConnection` (and `--master`) say.
+#[derive(Clone, Debug)]
+pub struct KubeApi(pub ClientConnection);
+
+impl Source for KubeApi {
+    fn start(self: Box<Self>, node_name: &str) -> anyhow::Result<Running> {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let source = ApiSource::start(&self.0, node_name, tx)?;
+        Ok(Running::new(rx, source))
+    }
+}
+
 /// A running API source; the watchers stop when it is dropped.
 pub struct ApiSource {
-    store: Arc<Mutex<Watched>>,
     _runtime: tokio::runtime::Runtime,
 }
 
 impl ApiSource {
-    /// Connects and starts the watchers; `changed` gets `()` after every change.
-    pub fn start(cfg: &ApiConfig, node_name: &str, changed: Sender<()>) -> anyhow::Result<ApiSource> {
+    /// Connects and starts the watchers; every change goes to `updates`.
+    pub fn start(
+        cfg: &ClientConnection,
+        node_name: &str,
+        updates: UnboundedSender<Update>,
+    ) -> anyhow::Result<ApiSource> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("kube-source")
@@ -130,49 +177,43 @@ impl ApiSource {
             Api::<Service>::all(client.clone()),
             svc_cfg.clone(),
             store.clone(),
-            changed.clone(),
-            |w, e| w.services.apply(e, store::service_entry),
+            updates.clone(),
+            |w, e| {
+                let changes = w.services.apply(e, store::service_entry);
+                changes.into_iter().map(|(n, e)| Change::Service(n, e)).collect()
+            },
         ));
         runtime.spawn(watch(
             Api::<EndpointSlice>::all(client.clone()),
             svc_cfg,
             store.clone(),
-            changed.clone(),
+            updates.clone(),
             {
                 let node_name = node_name.to_string();
-                move |w, e| w.slices.apply(e, |s| store::slice_entry(s, &node_name))
+                move |w, e| {
+                    let changes = w.slices.apply(e, |s| store::slice_entry(s, &node_name));
+                    changes.into_iter().map(|(n, e)| Change::Slice(n, e)).collect()
+                }
             },
         ));
         runtime.spawn(watch(
             Api::<Node>::all(client.clone()),
             node_cfg,
-            store.clone(),
-            changed,
-            |w, e| w.nodes.apply(e, Node::clone),
+            store,
+            updates,
+            |w, e| {
+                if w.nodes.apply(e, Node::clone).is_empty() {
+                    return Vec::new();
+                }
+                vec![Change::Nodes(w.nodes.objects.values().cloned().collect())]
+            },
         ));
         runtime.spawn(birth_cry(client, node_name.to_string()));
-        Ok(ApiSource {
-            store,
-            _runtime: runtime,
-        })
-    }
-
-    /// The objects seen so far; `None` until Services and EndpointSlices are both listed.
-    pub fn snapshot(&self) -> Option<store::Store> {
-        let w = self.store.lock().ok()?;
-        if !(w.services.synced && w.slices.synced) {
-            return None;
-        }
-        Some(store::Store {
-            services: w.services.objects.clone(),
-            slices: w.slices.objects.clone(),
-            nodes: w.nodes.objects.values().cloned().collect(),
-            ..store::Store::default()
-        })
+        Ok(ApiSource { _runtime: runtime })
     }
 }
 
-async fn client(cfg: &ApiConfig) -> anyhow::Result<Client> {
+async fn client(cfg: &ClientConnection) -> anyhow::Result<Client> {
     let mut config = match &cfg.kubeconfig {
         Some(path) => {
             let kubeconfig =
@@ -205,8 +246,8 @@ async fn watch<K>(
     api: Api<K>,
     config: watcher::Config,
     store: Arc<Mutex<Watched>>,
-    changed: Sender<()>,
-    apply: impl Fn(&mut Watched, watcher::Event<K>) -> bool + Send + 'static,
+    updates: UnboundedSender<Update>,
+    apply: impl Fn(&mut Watched, watcher::Event<K>) -> Vec<Change> + Send + 'static,
 ) where
     K: Resource + Clone + DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
     K::DynamicType: Default,
@@ -216,11 +257,18 @@ async fn watch<K>(
     while let Some(event) = stream.next().await {
         match event {
             Ok(event) => {
-                let changed_view = match store.lock() {
-                    Ok(mut w) => apply(&mut w, event),
+                let update = match store.lock() {
+                    Ok(mut w) => {
+                        let was_synced = w.synced();
+                        let changes = apply(&mut w, event);
+                        let synced = w.synced();
+                        (!changes.is_empty() || synced != was_synced).then_some(Update { changes, synced })
+                    }
                     Err(_) => return,
                 };
-                if changed_view && changed.send(()).is_err() {
+                if let Some(update) = update
+                    && updates.send(update).is_err()
+                {
                     return;
                 }
             }
@@ -282,25 +330,27 @@ mod tests {
             watcher::Event::InitApply(svc("a")),
             watcher::Event::InitApply(svc("b")),
         ] {
-            assert!(!k.apply(e, conv));
+            assert!(k.apply(e, conv).is_empty());
         }
         assert!(!k.synced);
-        assert!(k.apply(watcher::Event::InitDone, conv));
+        assert_eq!(k.apply(watcher::Event::InitDone, conv).len(), 2);
         assert_eq!(k.objects.len(), 2);
         // Reconnect: only "a" is listed again; "b" vanished while we were away.
         k.apply(watcher::Event::Init, conv);
         assert_eq!(k.objects.len(), 2, "the old view stays until the relist is complete");
         k.apply(watcher::Event::InitApply(svc("a")), conv);
-        assert!(k.apply(watcher::Event::InitDone, conv));
+        let gone: Vec<_> = k.apply(watcher::Event::InitDone, conv);
+        assert_eq!(gone.len(), 1, "b is deleted; a, unchanged, is no change");
+        assert!(gone[0].1.is_none());
         let names: Vec<_> = k.objects.keys().map(|(ns, n)| format!("{ns}/{n}")).collect();
         assert_eq!(names, vec!["d/a"]);
-        assert!(k.apply(watcher::Event::Apply(svc("c")), conv));
+        assert_eq!(k.apply(watcher::Event::Apply(svc("c")), conv).len(), 1);
         assert!(
-            !k.apply(watcher::Event::Apply(svc("c")), conv),
+            k.apply(watcher::Event::Apply(svc("c")), conv).is_empty(),
             "an update the proxy cannot see is no change"
         );
-        assert!(k.apply(watcher::Event::Delete(svc("c")), conv));
-        assert!(!k.apply(watcher::Event::Delete(svc("zzz")), conv));
+        assert_eq!(k.apply(watcher::Event::Delete(svc("c")), conv).len(), 1);
+        assert!(k.apply(watcher::Event::Delete(svc("zzz")), conv).is_empty());
     }
 
     #[test]

@@ -4,20 +4,87 @@
 //! and an object that stops decoding keeps its previous version, each with a logged error.
 //! Objects are converted to the model's entries as they are read (see `model::store`); a file
 //! whose text did not change is not parsed again (nor are its warnings repeated).
+//!
+//! Running ([`ManifestDir`]), a thread of its own waits for the watch, coalesces a burst of
+//! file events into one re-read, and sends what changed between the merged views before and
+//! after as one [`Update`]; the first update holds the whole directory and counts as synced.
 
 use std::collections::BTreeMap;
 use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::mpsc::Sender;
+use std::sync::mpsc::{Receiver, Sender};
+use std::time::Instant;
 
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::networking::v1::ServiceCIDR;
 use notify::{RecursiveMode, Watcher};
+use tokio::sync::mpsc::UnboundedSender;
+use tracing::{debug, warn};
 
 use crate::manifest::{self, ObjectKey, Objects};
 use crate::model::store::{self, ObjectName, Store, object_name};
 use crate::model::{ServiceEntry, SliceEntry};
+use crate::source::{Running, Source, Update};
+
+/// `--manifests DIR` as a [`Source`].
+#[derive(Clone, Debug)]
+pub struct ManifestDir(pub PathBuf);
+
+impl Source for ManifestDir {
+    fn start(self: Box<Self>, node_name: &str) -> anyhow::Result<Running> {
+        use anyhow::Context as _;
+        let dir = self.0;
+        let (events_tx, events) = std::sync::mpsc::channel();
+        let watcher = watch(&dir, events_tx).with_context(|| format!("watching {}", dir.display()))?;
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let source = ManifestSource::new(&dir, node_name);
+        std::thread::Builder::new()
+            .name("kube-manifests".into())
+            .spawn(move || follow(source, &events, &tx))
+            .context("starting the manifest source's thread")?;
+        Ok(Running::new(rx, watcher))
+    }
+}
+
+/// Re-reads the directory once at start and then after every burst of file events, sending
+/// the changes; ends when the watcher or the daemon is gone.
+fn follow(mut source: ManifestSource, events: &Receiver<()>, tx: &UnboundedSender<Update>) {
+    let mut current = Store::default();
+    let mut first = true;
+    loop {
+        let start = Instant::now();
+        let snapshot = source.reload();
+        for m in &snapshot.messages {
+            warn!("{m}");
+        }
+        // Objects defined twice: said again only when that changes.
+        if snapshot.store.warnings != current.warnings {
+            for w in &snapshot.store.warnings {
+                warn!("{w}");
+            }
+        }
+        let changes = snapshot.store.diff(&current);
+        debug!(
+            services = snapshot.store.services.len(),
+            slices = snapshot.store.slices.len(),
+            changes = changes.len(),
+            elapsed_ms = start.elapsed().as_secs_f64() * 1000.0,
+            "Read the manifests"
+        );
+        current = snapshot.store;
+        // The first update always goes: it says the directory has been read.
+        if (first || !changes.is_empty()) && tx.send(Update { changes, synced: true }).is_err() {
+            return;
+        }
+        first = false;
+        if events.recv().is_err() {
+            return;
+        }
+        // Coalesce a burst of file events into one re-read.
+        while events.try_recv().is_ok() {}
+    }
+}
 
 /// Reloads a manifest directory, remembering the last good content of every file, converted.
 pub struct ManifestSource {
@@ -306,7 +373,10 @@ mod tests {
             &first.services[&key("api")],
             &second.services[&key("api")]
         ));
-        let changes = second.changes_since(&first);
-        assert_eq!((changes.services, changes.slices), (1, 0));
+        let changes = second.diff(&first);
+        assert!(
+            matches!(&changes[..], [crate::model::store::Change::Service(name, Some(_))] if *name == key("api")),
+            "{changes:?}"
+        );
     }
 }

@@ -1,0 +1,180 @@
+//! The node daemon: reads Services, EndpointSlices and the Node from its source (the API
+//! server or a manifest directory) and keeps the kernel's rules in sync. The parts:
+//! - [`runner`]: when to sync, as a pure state machine (coalescing, `minSyncPeriod`, retries,
+//!   periodic checks and full syncs, nothing before the initial lists);
+//! - [`sync_loop`]: the loop that feeds the runner and drives the injected edges (proxiers,
+//!   host, telemetry) on tokio's clock;
+//! - [`telemetry`]: healthz, the mode's metrics and the health-check node ports;
+//! - [`modes`]: per-mode set-up on the real node, mode switches and `--cleanup`;
+//! - [`host`]: the node's sysctls and conntrack table, as the loop touches them.
+//!
+//! This module wires them for the real node: [`run`].
+
+pub mod host;
+pub mod modes;
+pub mod runner;
+pub mod sync_loop;
+pub mod telemetry;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context;
+use tracing::{error, info, warn};
+
+use crate::config::{ClientConnection, ProxyConfig};
+use crate::conntrack;
+use crate::healthz::ProxyHealth;
+use crate::http::{self, ServiceHealthServers};
+use crate::metrics::Metrics;
+use crate::source::{self, Source};
+pub use modes::cleanup_all;
+use telemetry::Telemetry;
+
+/// Where Services, EndpointSlices and the Node come from.
+#[derive(Clone, Debug)]
+pub enum SourceConfig {
+    /// `--manifests DIR`: a directory of manifests, re-read on change.
+    Manifests(PathBuf),
+    /// The Kubernetes API (`--kubeconfig`, `--master`, in-cluster config otherwise).
+    Api(ClientConnection),
+}
+
+impl SourceConfig {
+    fn source(&self) -> Box<dyn Source> {
+        match self {
+            SourceConfig::Manifests(dir) => Box::new(source::manifests::ManifestDir(dir.clone())),
+            SourceConfig::Api(cc) => Box::new(source::api::KubeApi(cc.clone())),
+        }
+    }
+}
+
+/// What the daemon runs on.
+#[derive(Clone, Debug)]
+pub struct DaemonOptions {
+    pub config: ProxyConfig,
+    pub source: SourceConfig,
+}
+
+impl DaemonOptions {
+    /// The HTTP servers of this configuration.
+    pub fn servers(&self) -> ServerConfig {
+        let c = &self.config;
+        ServerConfig {
+            healthz: c.healthz_bind_address,
+            metrics: c.metrics_bind_address,
+            hard_fail: c.bind_address_hard_fail,
+            configz: serde_json::to_value(&c.effective).unwrap_or_default(),
+        }
+    }
+}
+
+/// Where the HTTP servers listen (upstream's healthzBindAddress, metricsBindAddress,
+/// bindAddressHardFail); `None` disables a server.
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    pub healthz: Option<SocketAddr>,
+    pub metrics: Option<SocketAddr>,
+    pub hard_fail: bool,
+    /// What `/configz` shows under `kubeproxy.config.k8s.io`.
+    pub configz: serde_json::Value,
+}
+
+/// Runs until the source fails; never returns on success.
+pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
+    let cfg = Arc::new(opts.config.clone());
+    let node_name = cfg.node_name();
+    modes::check_kernel(&cfg)?;
+    info!(mode = cfg.mode.as_str(), node = %node_name, "Starting kube-proxy");
+    let warnings = conntrack::apply_sysctls_and_hashsize(
+        &cfg.conntrack,
+        std::path::Path::new("/proc/sys"),
+        Some(std::path::Path::new(conntrack::HASHSIZE_PATH)),
+        conntrack::detect_num_cpus(),
+    );
+    for w in warnings {
+        warn!("{w}");
+    }
+    let (telemetry, _servers) = start_servers(&cfg, &opts.servers(), &node_name)?;
+    if let SourceConfig::Manifests(dir) = &opts.source {
+        info!(manifests = %dir.display(), "Reading Services and EndpointSlices from manifests");
+    }
+    let mut running = opts.source.source().start(&node_name)?;
+    // Rules of the mode not in use are removed, as upstream does at start.
+    modes::remove_other_modes(cfg.mode);
+    let proxiers = modes::proxiers(&cfg)?;
+    let node_watched = matches!(opts.source, SourceConfig::Api(_));
+    let sync_loop = sync_loop::SyncLoop::new(cfg, proxiers, Box::new(host::NodeHost), telemetry, node_watched);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .thread_name("kube-proxy-sync")
+        .enable_all()
+        .build()
+        .context("starting the sync loop's runtime")?;
+    // Syncs block this runtime's one thread; the servers and sources have their own.
+    runtime.block_on(sync_loop.run(&mut running.updates))?;
+    Ok(())
+}
+
+/// The HTTP servers, on a runtime of their own (dropping it stops them).
+pub struct HttpServers {
+    _runtime: tokio::runtime::Runtime,
+}
+
+/// Binds and starts the healthz and metrics servers and sets up the health-check node ports.
+fn start_servers(
+    cfg: &ProxyConfig,
+    servers: &ServerConfig,
+    node_name: &str,
+) -> anyhow::Result<(Arc<Telemetry>, HttpServers)> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("kube-proxy-http")
+        .enable_all()
+        .build()
+        .context("starting the HTTP runtime")?;
+    // Upstream: unhealthy when a queued update waits longer than 2 × syncPeriod.
+    let health = ProxyHealth::new(cfg.sync_period * 2);
+    let metrics = Arc::new(Metrics::new(cfg.mode.as_str()));
+    let bind = |addr: SocketAddr, what: &str| -> anyhow::Result<Option<tokio::net::TcpListener>> {
+        match runtime.block_on(tokio::net::TcpListener::bind(addr)) {
+            Ok(l) => {
+                info!(address = %addr, server = what, "Serving");
+                Ok(Some(l))
+            }
+            Err(e) if servers.hard_fail => Err(e).with_context(|| format!("binding the {what} server to {addr}")),
+            Err(e) => {
+                error!(address = %addr, server = what, error = %e, "Could not bind; continuing without it (set --bind-address-hard-fail to exit instead)");
+                Ok(None)
+            }
+        }
+    };
+    if let Some(addr) = servers.healthz
+        && let Some(listener) = bind(addr, "healthz")?
+    {
+        let router = http::healthz_router(health.clone(), metrics.clone());
+        runtime.spawn(http::serve(listener, router, std::future::pending()));
+    }
+    if let Some(addr) = servers.metrics
+        && let Some(listener) = bind(addr, "metrics")?
+    {
+        let router = http::metrics_router(
+            metrics.clone(),
+            health.clone(),
+            cfg.mode.as_str(),
+            servers.configz.clone(),
+        );
+        runtime.spawn(http::serve(listener, router, std::future::pending()));
+    }
+    // Health-check servers listen on the wildcard address. (Upstream restricts them to the
+    // node's addresses within specific nodePortAddresses CIDRs; not done yet.)
+    let service_health = ServiceHealthServers::new(node_name, Vec::new(), health.clone());
+    let telemetry = Telemetry::new(
+        cfg.mode,
+        health,
+        metrics,
+        service_health,
+        Some(runtime.handle().clone()),
+    );
+    Ok((Arc::new(telemetry), HttpServers { _runtime: runtime }))
+}

@@ -1,0 +1,174 @@
+//! Per-mode set-up and cleanup on the real node: which families a mode can program here, the
+//! real proxiers of a mode, the kernel checks before anything is touched, the removal of the
+//! other modes' rules at start (mode switches, every way), and `--cleanup`.
+
+use anyhow::Context as _;
+use tracing::warn;
+
+use crate::config::{ProxyConfig, ProxyMode};
+use crate::iptables::exec::{Exec, Iptables};
+use crate::iptables::proxier::{IptablesProxier, cleanup as cleanup_iptables};
+use crate::iptables::{IptablesRenderOptions, names as ipt_names};
+use crate::ipvs::host::{HostExec, IpvsHost as _};
+use crate::ipvs::netlink::{Ipvs, IpvsHandle};
+use crate::ipvs::proxier::IpvsProxier;
+use crate::ipvs::render::IpvsRenderOptions;
+use crate::model::{IpFamily, NodeInfo};
+use crate::nftables::proxier::{self as nft, NftProxier};
+use crate::proxy::{Proxier, RenderOptions};
+
+/// The families `mode` can program on this node: IPv4, and IPv6 where the mode's tools and
+/// the kernel have it (upstream creates one proxier per family and drops a family that fails).
+pub fn families(mode: ProxyMode) -> Vec<IpFamily> {
+    let v6 = match mode {
+        // nftables mode speaks netlink: it needs the kernel's IPv6, not ip6tables.
+        ProxyMode::Nftables => kernel_has_ipv6(),
+        // IPVS mode programs ip6tables rules beside its virtual servers.
+        ProxyMode::Iptables | ProxyMode::Ipvs => Exec::available(IpFamily::V6),
+    };
+    let mut v = vec![IpFamily::V4];
+    if v6 {
+        v.push(IpFamily::V6);
+    }
+    v
+}
+
+fn kernel_has_ipv6() -> bool {
+    std::path::Path::new("/proc/net/if_inet6").exists()
+}
+
+/// Refuses to start a mode the kernel cannot run, before anything on the node is touched
+/// (never a silent fallback: IPVS without its module or scheduler).
+pub fn check_kernel(cfg: &ProxyConfig) -> anyhow::Result<()> {
+    if cfg.mode == ProxyMode::Ipvs {
+        let scheduler = IpvsRenderOptions::from_config(cfg, IpFamily::V4, &NodeInfo::default()).scheduler;
+        crate::ipvs::proxier::check_kernel(&scheduler)?;
+    }
+    Ok(())
+}
+
+/// The real proxiers of the configured mode, one per family. Their options are set by each
+/// sync's `configure`; these are placeholders until then.
+pub fn proxiers(cfg: &ProxyConfig) -> anyhow::Result<Vec<Box<dyn Proxier>>> {
+    families(cfg.mode)
+        .into_iter()
+        .map(|family| -> anyhow::Result<Box<dyn Proxier>> {
+            Ok(match cfg.mode {
+                ProxyMode::Nftables => Box::new(NftProxier::netlink(family, RenderOptions::default())?),
+                ProxyMode::Ipvs => {
+                    let ipvs = IpvsHandle::new().context("IPVS mode")?;
+                    Box::new(IpvsProxier::new(
+                        family,
+                        IpvsRenderOptions::default(),
+                        ipvs,
+                        Exec::new(family),
+                        HostExec,
+                    ))
+                }
+                ProxyMode::Iptables => Box::new(IptablesProxier::new(
+                    Exec::new(family),
+                    IptablesRenderOptions::default(),
+                )),
+            })
+        })
+        .collect()
+}
+
+/// Removes the rules of the modes other than `mode` (switching modes, every way).
+pub fn remove_other_modes(mode: ProxyMode) {
+    if mode != ProxyMode::Nftables {
+        for e in remove_nftables_mode() {
+            warn!(error = %e, "Could not remove the nftables mode's table");
+        }
+    }
+    // IPVS mode's state goes before iptables mode's: it references chains the two share.
+    if mode != ProxyMode::Ipvs {
+        for e in remove_ipvs_mode(false) {
+            warn!(error = %e, "Could not remove the IPVS mode's state");
+        }
+    }
+    match mode {
+        ProxyMode::Nftables => remove_iptables_mode(),
+        // IPVS mode rewrites the chains it shares with iptables mode (KUBE-SERVICES, ...) on
+        // its first sync; iptables mode's own chains go only where iptables mode left some, so
+        // that restarting IPVS mode never empties its chains in between.
+        ProxyMode::Ipvs => {
+            if families(ProxyMode::Iptables)
+                .into_iter()
+                .any(|f| iptables_mode_present(&mut Exec::new(f)))
+            {
+                remove_iptables_mode();
+            }
+        }
+        ProxyMode::Iptables => {}
+    }
+}
+
+fn remove_iptables_mode() {
+    for family in families(ProxyMode::Iptables) {
+        for e in cleanup_iptables(&mut Exec::new(family)) {
+            warn!(ip_family = %family, error = %e, "Could not remove the iptables mode's rules");
+        }
+    }
+}
+
+/// Deletes the nftables mode's tables that exist; the errors met.
+fn remove_nftables_mode() -> Vec<String> {
+    let mut errors = Vec::new();
+    for family in [IpFamily::V4, IpFamily::V6] {
+        // The table may not exist (or nft may not be installed): only a present table matters.
+        if nft::table_exists(family)
+            && let Err(e) = nft::delete_table(family)
+        {
+            errors.push(format!("{family}: {e}"));
+        }
+    }
+    errors
+}
+
+/// Whether iptables mode left its own chains (ones IPVS mode does not have).
+fn iptables_mode_present(ipt: &mut Exec) -> bool {
+    [
+        ("nat", ipt_names::KUBE_NODEPORTS),
+        ("nat", ipt_names::KUBE_PROXY_CANARY),
+        ("filter", ipt_names::KUBE_EXTERNAL_SERVICES),
+    ]
+    .iter()
+    .any(|(table, chain)| ipt.chain_exists(table, chain).unwrap_or(false))
+}
+
+/// Removes IPVS mode's state where there is some (or, with `all` for `--cleanup`, whatever is
+/// left): virtual servers on `kube-ipvs0` addresses and NodePort-looking ones on node
+/// addresses (only when the kernel has IPVS loaded: without it there are none, and looking
+/// would load it), its iptables rules, ipsets and `kube-ipvs0`. Silent where there is nothing.
+fn remove_ipvs_mode(all: bool) -> Vec<String> {
+    let mut host = HostExec;
+    let mut ipts: Vec<Exec> = families(ProxyMode::Ipvs).into_iter().map(Exec::new).collect();
+    let link = host.link_exists(crate::ipvs::names::DUMMY_DEVICE).unwrap_or(false);
+    let rules = ipts.iter_mut().any(|i| crate::ipvs::proxier::iptables_state_present(i));
+    if !(all || link || rules) {
+        return Vec::new();
+    }
+    let mut ipvs = if std::path::Path::new("/proc/net/ip_vs").exists() {
+        IpvsHandle::new().ok()
+    } else {
+        None
+    };
+    let mut refs: Vec<&mut dyn Iptables> = ipts.iter_mut().map(|i| i as &mut dyn Iptables).collect();
+    crate::ipvs::proxier::cleanup(ipvs.as_mut().map(|h| h as &mut dyn Ipvs), &mut refs, &mut host, true)
+}
+
+/// `--cleanup`: removes everything we own in both families (iptables chains and jumps, the
+/// nftables `kube-proxy` tables of the nftables mode, and IPVS mode's virtual servers, ipsets
+/// and `kube-ipvs0`). Returns the errors met.
+pub fn cleanup_all() -> Vec<String> {
+    let mut errors = Vec::new();
+    // IPVS mode's rules first: its chains share names with iptables mode's.
+    errors.extend(remove_ipvs_mode(true).into_iter().map(|e| format!("IPVS mode: {e}")));
+    for family in families(ProxyMode::Iptables) {
+        let mut ipt = Exec::new(family);
+        errors.extend(cleanup_iptables(&mut ipt).into_iter().map(|e| format!("{family}: {e}")));
+    }
+    errors.extend(remove_nftables_mode());
+    errors
+}

@@ -1,0 +1,116 @@
+//! IPVS mode behind the daemon's [`Proxier`] trait: what a sync, a cleanup and a read-back
+//! mean for [`IpvsProxier`]. Every IPVS sync reconciles the whole table (as upstream's), so a
+//! "sync of changes" is the same as a full one, and the daemon syncs every sync period.
+
+use std::net::SocketAddr;
+use std::time::Instant;
+
+use super::host::IpvsHost;
+use super::netlink::{Ipvs, RealServer, VirtualServer};
+use super::proxier::{IpvsProxier, cleanup};
+use super::render::IpvsRenderOptions;
+use crate::config::ProxyMode;
+// IPVS mode programs iptables rules too (masquerading, NodePorts, source ranges).
+use crate::iptables::exec::Iptables;
+use crate::model::{IpFamily, ProxyState, ServicePort};
+use crate::proxy::{Programmed, ProgrammedSection, Proxier, ReadBackError, SyncContext, SyncError, SyncReport};
+
+impl<V: Ipvs + Send, I: Iptables, H: IpvsHost + Send> Proxier for IpvsProxier<V, I, H> {
+    fn mode(&self) -> ProxyMode {
+        ProxyMode::Ipvs
+    }
+
+    fn family(&self) -> IpFamily {
+        IpvsProxier::family(self)
+    }
+
+    fn configure(&mut self, ctx: &SyncContext<'_>) {
+        let family = IpvsProxier::family(self);
+        self.set_options(IpvsRenderOptions::from_config(ctx.config, family, ctx.node));
+    }
+
+    fn sync_full(&mut self, state: &ProxyState) -> Result<SyncReport, SyncError> {
+        self.force_full_sync();
+        self.sync_changes(state)
+    }
+
+    fn sync_changes(&mut self, state: &ProxyState) -> Result<SyncReport, SyncError> {
+        // Each sync lists and reconciles everything: a failure is a failed full sync.
+        self.sync(state).map_err(|e| SyncError::new(true, e))
+    }
+
+    fn intact(&mut self) -> bool {
+        IpvsProxier::intact(self)
+    }
+
+    fn next_cleanup(&self) -> Option<Instant> {
+        IpvsProxier::next_cleanup(self)
+    }
+
+    fn syncs_every_period(&self) -> bool {
+        true
+    }
+
+    fn cleanup(&mut self) -> Vec<String> {
+        self.force_full_sync();
+        let (ipvs, ipt, host) = self.parts();
+        let mut ipts: [&mut dyn Iptables; 1] = [ipt];
+        cleanup(Some(ipvs as &mut dyn Ipvs), &mut ipts, host, true)
+    }
+
+    fn read_back(&mut self, port: &ServicePort) -> Result<Programmed, ReadBackError> {
+        let err = |e: String| ReadBackError {
+            what: port.name.to_string(),
+            message: e,
+        };
+        let ipvs = self.ipvs();
+        let services = ipvs.services().map_err(|e| err(e.to_string()))?;
+        let addresses: Vec<_> = std::iter::once(port.cluster_ip)
+            .chain(port.external_ips.iter().copied())
+            .chain(port.load_balancer_vips.iter().copied())
+            .collect();
+        let mut sections = Vec::new();
+        for vs in services
+            .iter()
+            .filter(|vs| vs.fwmark.is_none() && vs.protocol == port.protocol)
+        {
+            let service_address = addresses.contains(&vs.address) && vs.port == port.port;
+            let node_port = port.node_port != 0 && vs.port == port.node_port;
+            if !(service_address || node_port) {
+                continue;
+            }
+            let dests = ipvs.dests(vs).map_err(|e| err(e.to_string()))?;
+            sections.push(ProgrammedSection {
+                place: virtual_server_line(vs),
+                lines: dests.iter().map(real_server_line).collect(),
+            });
+        }
+        Ok(Programmed { sections })
+    }
+}
+
+/// `TCP  10.96.0.10:53 rr [persistent 10800]`, as `ipvsadm -Ln` heads a virtual server.
+fn virtual_server_line(vs: &VirtualServer) -> String {
+    let mut s = format!(
+        "{:<4} {} {}",
+        vs.protocol.api(),
+        SocketAddr::new(vs.address, vs.port),
+        vs.scheduler
+    );
+    if let Some(t) = vs.persistent_timeout {
+        s.push_str(&format!(" persistent {t}"));
+    }
+    s
+}
+
+/// `-> 10.244.1.5:53 Masq weight 1 active 0 inactive 0`.
+fn real_server_line(rs: &RealServer) -> String {
+    format!(
+        "-> {} {} weight {} active {} inactive {}",
+        SocketAddr::new(rs.address, rs.port),
+        rs.forward.name(),
+        rs.weight,
+        rs.active_conns,
+        rs.inactive_conns
+    )
+}
