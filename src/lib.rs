@@ -5,12 +5,14 @@
 //! - [`model`]: Services + EndpointSlices + Node → per-family service ports and endpoint sets,
 //!   exactly as upstream's change trackers and `CategorizeEndpoints` compute them.
 //! - [`config`]: `KubeProxyConfiguration` (v1alpha1) and upstream's flags with their precedence.
+//! - [`cli`]: the binary's command line (upstream's flags, daemon flags, subcommands) for clap.
 //! - [`iptables`]: the pure `iptables-restore` renderer and the packet tracer over its output.
 //! - [`vm`]: a throw-away VM with a kernel that has IPVS, for the VM tests and for
 //!   `kube-proxy lab --proxy-mode=ipvs` on a kernel without it.
 #![forbid(unsafe_code)]
 
 pub mod app;
+pub mod cli;
 pub mod config;
 pub mod conntrack;
 pub mod daemon;

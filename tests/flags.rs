@@ -74,9 +74,19 @@ type Case = (
     Value,
 );
 
+/// Every flag, the groups in upstream's order.
 fn cases() -> Vec<Case> {
-    const ALPHA: &[&str] = &["--feature-gates=LoggingAlphaOptions=true"];
-    const IPVS: &[&str] = &["--proxy-mode=ipvs"];
+    [
+        client_and_server_cases(),
+        proxy_mode_cases(),
+        node_cases(),
+        logging_and_other_cases(),
+    ]
+    .concat()
+}
+
+/// Feature gates, the API client, the node's and the servers' addresses.
+fn client_and_server_cases() -> Vec<Case> {
     vec![
         (
             "--feature-gates",
@@ -157,6 +167,13 @@ fn cases() -> Vec<Case> {
             "/showHiddenMetricsForVersion",
             json!("1.33"),
         ),
+    ]
+}
+
+/// The proxy mode and the settings of the iptables and IPVS modes.
+fn proxy_mode_cases() -> Vec<Case> {
+    const IPVS: &[&str] = &["--proxy-mode=ipvs"];
+    vec![
         ("--proxy-mode", Some("nftables"), &[], "/mode", json!("nftables")),
         (
             "--iptables-masquerade-bit",
@@ -231,6 +248,12 @@ fn cases() -> Vec<Case> {
             "/ipvs/udpTimeout",
             json!("5m0s"),
         ),
+    ]
+}
+
+/// Local traffic detection, NodePort addresses, OOM score, conntrack, resync, deprecated ports.
+fn node_cases() -> Vec<Case> {
+    vec![
         (
             "--detect-local-mode",
             Some("NodeCIDR"),
@@ -332,6 +355,13 @@ fn cases() -> Vec<Case> {
             "/portRange",
             json!("30000-32767"),
         ),
+    ]
+}
+
+/// Logging, the exit-early flags and kube-proxy-rs' additions.
+fn logging_and_other_cases() -> Vec<Case> {
+    const ALPHA: &[&str] = &["--feature-gates=LoggingAlphaOptions=true"];
+    vec![
         ("--v", Some("4"), &[], "/logging/verbosity", json!(4)),
         (
             "--vmodule",
