@@ -3,7 +3,7 @@
 //! generated kubeconfig, and real traffic checks the outcome. Also the healthz, metrics and
 //! health-check node port servers, over real HTTP.
 
-#[path = "support/apiserver.rs"]
+#[path = "support/apiserver/mod.rs"]
 mod apiserver;
 
 use std::io::{Read, Write};
