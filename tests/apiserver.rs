@@ -3,7 +3,7 @@
 //! cycle, raw watch streams (bookmarks, 410, timeouts, cut connections), outages, delays and
 //! event recording. No root needed; every test is bounded by a timeout.
 
-#[path = "support/apiserver.rs"]
+#[path = "support/apiserver/mod.rs"]
 mod apiserver;
 
 use std::future::Future;

@@ -4,12 +4,17 @@
 //! lands. Each test builds its own bed and removes it, also on failure. The tests run one at a
 //! time (they share two CPUs and some assert latencies).
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
-use std::path::{Path, PathBuf};
+use std::path::Path;
+use std::process::ExitCode;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use common::harness::{Requirement, Requirement::*, test};
+use common::{ManifestDir, wait_until};
 use kube_proxy::lab::netns::ChildGuard;
 use kube_proxy::lab::probe::{ProbeArgs, ProbeReport};
 use kube_proxy::lab::scenario::{Ep, ServiceSpec, manifests};
@@ -21,31 +26,6 @@ const BIN: &str = env!("CARGO_BIN_EXE_kube-proxy");
 const CLUSTER_IP: &str = "10.96.165.10";
 const NODE_PORT: u16 = 32517;
 const SYNC_PERIOD_S: u64 = 2;
-
-/// A manifest directory that is removed on drop.
-struct ManifestDir(PathBuf);
-
-impl ManifestDir {
-    fn new(tag: &str) -> ManifestDir {
-        let dir = std::env::temp_dir().join(format!("kp-e2e-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("create manifest dir");
-        ManifestDir(dir)
-    }
-
-    /// Replaces the manifests atomically (write + rename), as a config management tool would.
-    fn write(&self, yaml: &str) {
-        let tmp = self.0.join(".services.yaml.tmp");
-        std::fs::write(&tmp, yaml).expect("write manifests");
-        std::fs::rename(&tmp, self.0.join("services.yaml")).expect("rename manifests");
-    }
-}
-
-impl Drop for ManifestDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn local(ip: IpAddr) -> Ep {
     Ep::local(ip)
@@ -76,12 +56,12 @@ impl Cluster {
         let mut spec = TestbedSpec::new(format!("kpe-{tag}"), BIN);
         spec.endpoints = endpoints;
         let bed = Testbed::build(&spec).expect("test bed builds (root and iproute2 needed)");
-        let dir = ManifestDir::new(&format!("{mode}-{tag}"));
+        let dir = ManifestDir::new(&format!("kp-e2e-{mode}-{tag}"));
         dir.write(&manifests(&bed));
         let mut c = Cluster {
             bed,
             dir,
-            config: ManifestDir::new(&format!("{mode}-{tag}-config")),
+            config: ManifestDir::new(&format!("kp-e2e-{mode}-{tag}-config")),
             daemon: None,
             mode,
         };
@@ -161,21 +141,6 @@ impl Cluster {
 
 fn cip(port: u16) -> SocketAddr {
     SocketAddr::new(CLUSTER_IP.parse().unwrap(), port)
-}
-
-/// Polls `check` until it is true or `timeout` passes; returns the time it took.
-fn wait_until(timeout: Duration, what: &str, mut check: impl FnMut() -> bool) -> Duration {
-    let start = Instant::now();
-    loop {
-        if check() {
-            return start.elapsed();
-        }
-        assert!(
-            start.elapsed() < timeout,
-            "timed out after {timeout:?} waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 fn cluster_ip_spreads_300_connections_evenly(mode: &'static str) {
@@ -443,7 +408,6 @@ fn udp_client_moves_to_a_live_endpoint_within_a_second(mode: &'static str) {
     );
 }
 
-#[test]
 fn kill_9_keeps_streams_and_restart_converges_without_duplicates() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let mut c = Cluster::start("kill9", 3, |b| {
@@ -502,7 +466,6 @@ fn kill_9_keeps_streams_and_restart_converges_without_duplicates() {
     assert_eq!(fresh.ok_count(), 20, "{:?}", fresh.errors());
 }
 
-#[test]
 fn a_flushed_nat_table_is_repaired_within_the_sync_period() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let c = Cluster::start("flush", 2, |b| {
@@ -531,7 +494,6 @@ fn a_flushed_nat_table_is_repaired_within_the_sync_period() {
 
 /// nftables mode: a removed endpoint's chain is flushed at once and deleted a second later
 /// without any further change; a deleted table is rebuilt within the sync period.
-#[test]
 fn nftables_deletes_stale_chains_later_and_rebuilds_a_deleted_table() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let c = Cluster::start_in("nftables", "nftstale", 2, |b| {
@@ -580,7 +542,6 @@ fn nftables_deletes_stale_chains_later_and_rebuilds_a_deleted_table() {
     assert!(total <= Duration::from_millis(SYNC_PERIOD_S * 1000 + 700), "{total:?}");
 }
 
-#[test]
 fn cleanup_removes_everything_we_own() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let mut c = Cluster::start("cleanup", 1, |b| web(&[local(b.endpoint(0).ip)]));
@@ -616,30 +577,6 @@ fn cleanup_removes_everything_we_own() {
     assert!(!mangle.contains("KUBE-PROXY-CANARY"), "{mangle}");
 }
 
-/// The tests that hold in every proxy mode, run once per mode.
-macro_rules! in_every_mode {
-    ($($test:ident),* $(,)?) => {
-        mod iptables_mode {
-            $( #[test] fn $test() { super::$test("iptables") } )*
-        }
-        mod nftables_mode {
-            $( #[test] fn $test() { super::$test("nftables") } )*
-        }
-    };
-}
-
-in_every_mode!(
-    cluster_ip_spreads_300_connections_evenly,
-    scaling_to_four_endpoints_goes_live,
-    zero_endpoints_are_refused_at_once_and_one_brings_traffic_back,
-    node_port_from_outside_and_external_traffic_policy_local,
-    session_affinity_keeps_a_client_on_one_endpoint,
-    load_balancer_source_ranges_allow_one_source_and_drop_another,
-    hairpin_an_endpoint_reaches_its_own_service,
-    udp_client_moves_to_a_live_endpoint_within_a_second,
-);
-
-#[test]
 fn switching_modes_removes_the_other_modes_rules_both_ways() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let mut c = Cluster::start("switch", 1, |b| web(&[local(b.endpoint(0).ip)]));
@@ -666,7 +603,6 @@ fn switching_modes_removes_the_other_modes_rules_both_ways() {
     assert!(c.probe_client(&ProbeArgs::tcp(cip(80)).with_count(3)).all_ok());
 }
 
-#[test]
 fn bind_address_hard_fail_exits_when_the_healthz_port_is_taken() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let mut c = Cluster::start("hardfail", 1, |b| web(&[local(b.endpoint(0).ip)]));
@@ -706,4 +642,53 @@ fn bind_address_hard_fail_exits_when_the_healthz_port_is_taken() {
     // Without the flag it keeps going and serves traffic.
     c.start_daemon();
     assert!(c.probe_client(&ProbeArgs::tcp(cip(80)).with_count(3)).all_ok());
+}
+
+/// A test that holds in every proxy mode, given the mode.
+type InEveryMode = fn(&'static str);
+
+/// The tests that hold in every proxy mode, run once per mode (as `MODE_mode::TEST`).
+const IN_EVERY_MODE: &[(&str, InEveryMode)] = &common::harness::named![
+    cluster_ip_spreads_300_connections_evenly,
+    scaling_to_four_endpoints_goes_live,
+    zero_endpoints_are_refused_at_once_and_one_brings_traffic_back,
+    node_port_from_outside_and_external_traffic_policy_local,
+    session_affinity_keeps_a_client_on_one_endpoint,
+    load_balancer_source_ranges_allow_one_source_and_drop_another,
+    hairpin_an_endpoint_reaches_its_own_service,
+    udp_client_moves_to_a_live_endpoint_within_a_second,
+];
+
+/// The other tests, in one mode each.
+const ONCE: &[(&str, fn())] = &common::harness::named![
+    kill_9_keeps_streams_and_restart_converges_without_duplicates,
+    a_flushed_nat_table_is_repaired_within_the_sync_period,
+    nftables_deletes_stale_chains_later_and_rebuilds_a_deleted_table,
+    cleanup_removes_everything_we_own,
+    switching_modes_removes_the_other_modes_rules_both_ways,
+    bind_address_hard_fail_exits_when_the_healthz_port_is_taken,
+];
+
+/// A test bed, the daemon in either mode, and the tools the tests read the rules with.
+const NEEDS: &[Requirement] = &[
+    Root,
+    Tool("ip"),
+    Tool("sysctl"),
+    Tool("iptables"),
+    Tool("iptables-save"),
+    Tool("iptables-restore"),
+    Tool("nft"),
+];
+
+fn main() -> ExitCode {
+    let mut tests = Vec::new();
+    for mode in ["iptables", "nftables"] {
+        for &(name, f) in IN_EVERY_MODE {
+            tests.push(test(format!("{mode}_mode::{name}"), move || f(mode)).needs(NEEDS));
+        }
+    }
+    for &(name, f) in ONCE {
+        tests.push(test(name, f).needs(NEEDS));
+    }
+    common::harness::run(tests)
 }

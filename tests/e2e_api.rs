@@ -3,16 +3,20 @@
 //! generated kubeconfig, and real traffic checks the outcome. Also the healthz, metrics and
 //! health-check node port servers, over real HTTP.
 
-#[path = "support/apiserver.rs"]
+mod common;
+
+#[path = "support/apiserver/mod.rs"]
 mod apiserver;
 
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use apiserver::ApiServer;
+use common::netns::in_netns;
+use common::wait_until_every;
 use kube_proxy::iptables::names;
 use kube_proxy::lab::netns::ChildGuard;
 use kube_proxy::lab::probe::ProbeArgs;
@@ -22,20 +26,6 @@ use serde_json::{Value, json};
 static SERIAL: Mutex<()> = Mutex::new(());
 const BIN: &str = env!("CARGO_BIN_EXE_kube-proxy");
 const SYNC_PERIOD_S: u64 = 2;
-
-/// Runs `f` on a thread that has entered the network namespace `ns`; sockets it creates live
-/// there (even after the thread ends).
-fn in_netns<T: Send>(ns: &str, f: impl FnOnce() -> T + Send) -> T {
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            let file = std::fs::File::open(format!("/run/netns/{ns}")).expect("netns file");
-            nix::sched::setns(file, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
-            f()
-        })
-        .join()
-        .expect("netns thread")
-    })
-}
 
 /// `GET path` over plain HTTP/1.0 from inside `ns`: (status, body).
 fn http_get(ns: &str, addr: SocketAddr, path: &str) -> Option<(u16, String)> {
@@ -54,19 +44,8 @@ fn http_get(ns: &str, addr: SocketAddr, path: &str) -> Option<(u16, String)> {
     })
 }
 
-fn wait_until(timeout: Duration, what: &str, mut check: impl FnMut() -> bool) -> Duration {
-    let start = Instant::now();
-    loop {
-        if check() {
-            return start.elapsed();
-        }
-        assert!(
-            start.elapsed() < timeout,
-            "timed out after {timeout:?} waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
+/// How often the tests poll for a change.
+const POLL: Duration = Duration::from_millis(50);
 
 fn node() -> Value {
     json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a"},
@@ -163,7 +142,6 @@ fn svc_chain(name: &str) -> String {
     names::service_port_chains(&format!("default/{name}:p"), "tcp").cluster
 }
 
-#[test]
 fn api_objects_reach_the_kernel_and_the_starting_event_is_sent() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let c = Cluster::start("crud", 2, |api, bed| {
@@ -177,7 +155,7 @@ fn api_objects_reach_the_kernel_and_the_starting_event_is_sent() {
         &[(c.bed.endpoint(0).ip, "node-a"), (c.bed.endpoint(1).ip, "node-a")],
     ));
     let sep = names::endpoint_chain("default/web:p", "tcp", &c.bed.endpoint(1).server_addr().to_string());
-    wait_until(Duration::from_secs(10), "the second endpoint's chain", || {
+    wait_until_every(POLL, Duration::from_secs(10), "the second endpoint's chain", || {
         c.nat().contains(&format!("-A {sep} "))
     });
     let r = c
@@ -194,7 +172,7 @@ fn api_objects_reach_the_kernel_and_the_starting_event_is_sent() {
     c.api.apply(other);
     // Delete: the chains go away.
     c.api.delete("Service", "default", "web");
-    wait_until(Duration::from_secs(10), "the Service's chains to go", || {
+    wait_until_every(POLL, Duration::from_secs(10), "the Service's chains to go", || {
         !c.nat().contains(&svc_chain("web"))
     });
     assert!(!c.nat().contains(&svc_chain("other")), "other proxy's Service ignored");
@@ -204,7 +182,7 @@ fn api_objects_reach_the_kernel_and_the_starting_event_is_sent() {
         "{requests}"
     );
     assert!(requests.contains("fieldSelector=metadata.name=node-a"), "{requests}");
-    wait_until(Duration::from_secs(10), "the Starting event", || {
+    wait_until_every(POLL, Duration::from_secs(10), "the Starting event", || {
         c.api
             .events()
             .iter()
@@ -212,7 +190,6 @@ fn api_objects_reach_the_kernel_and_the_starting_event_is_sent() {
     });
 }
 
-#[test]
 fn api_outage_with_410_converges_without_breaking_traffic() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let c = Cluster::start("outage", 3, |api, bed| {
@@ -256,14 +233,13 @@ fn api_outage_with_410_converges_without_breaking_traffic() {
         "traffic to a never broke: {st:?}"
     );
     let sep = names::endpoint_chain("default/a:p", "tcp", &c.bed.endpoint(2).server_addr().to_string());
-    wait_until(Duration::from_secs(40), "convergence after the relist", || {
+    wait_until_every(POLL, Duration::from_secs(40), "convergence after the relist", || {
         let nat = c.nat();
         !nat.contains(&svc_chain("b")) && nat.contains(&format!("-A {sep} "))
     });
     assert!(c.ok("10.96.165.10:80", 5));
 }
 
-#[test]
 fn healthz_turns_503_while_changes_cannot_be_synced() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let c = Cluster::start("healthz", 2, |api, bed| {
@@ -275,7 +251,7 @@ fn healthz_turns_503_while_changes_cannot_be_synced() {
     });
     let healthz: SocketAddr = "127.0.0.1:10256".parse().unwrap();
     let node_ns = c.bed.node.name().to_string();
-    wait_until(Duration::from_secs(10), "healthz 200", || {
+    wait_until_every(POLL, Duration::from_secs(10), "healthz 200", || {
         http_get(&node_ns, healthz, "/healthz").is_some_and(|(s, _)| s == 200)
     });
     // Someone else's rule points at an endpoint chain, so deleting that chain fails: every
@@ -290,7 +266,7 @@ fn healthz_turns_503_while_changes_cannot_be_synced() {
         .exec_ok("iptables", ["-t", "nat", "-A", "PIN", "-j", &sep])
         .expect("pin rule");
     c.api.apply(slice("web", &[(c.bed.endpoint(0).ip, "node-a")]));
-    let unhealthy = wait_until(Duration::from_secs(SYNC_PERIOD_S * 4), "healthz 503", || {
+    let unhealthy = wait_until_every(POLL, Duration::from_secs(SYNC_PERIOD_S * 4), "healthz 503", || {
         http_get(&node_ns, healthz, "/healthz").is_some_and(|(s, body)| s == 503 && body.contains("\"healthy\":false"))
     });
     println!(
@@ -303,16 +279,18 @@ fn healthz_turns_503_while_changes_cannot_be_synced() {
         .node
         .exec_ok("iptables", ["-t", "nat", "-F", "PIN"])
         .expect("unpin");
-    wait_until(Duration::from_secs(SYNC_PERIOD_S * 4), "healthz 200 again", || {
-        http_get(&node_ns, healthz, "/healthz").is_some_and(|(s, _)| s == 200)
-    });
+    wait_until_every(
+        POLL,
+        Duration::from_secs(SYNC_PERIOD_S * 4),
+        "healthz 200 again",
+        || http_get(&node_ns, healthz, "/healthz").is_some_and(|(s, _)| s == 200),
+    );
     assert!(
         !c.nat().contains(&format!(":{sep} ")),
         "the chain is gone after the retry"
     );
 }
 
-#[test]
 fn health_check_node_port_and_metrics_over_http() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let c = Cluster::start("hcnp", 1, |api, bed| {
@@ -327,12 +305,12 @@ fn health_check_node_port_and_metrics_over_http() {
     let node_ns = c.bed.node.name().to_string();
     let out_ns = c.bed.outside.name().to_string();
     let hc: SocketAddr = "192.168.49.2:31000".parse().unwrap();
-    wait_until(Duration::from_secs(10), "health check 200", || {
+    wait_until_every(POLL, Duration::from_secs(10), "health check 200", || {
         http_get(&out_ns, hc, "/").is_some_and(|(s, b)| s == 200 && b.contains("\"localEndpoints\": 1"))
     });
     // The endpoint moves to another node: no local endpoints → 503.
     c.api.apply(slice("lb", &[(c.bed.endpoint(0).ip, "node-b")]));
-    wait_until(Duration::from_secs(10), "health check 503", || {
+    wait_until_every(POLL, Duration::from_secs(10), "health check 503", || {
         http_get(&out_ns, hc, "/").is_some_and(|(s, b)| s == 503 && b.contains("\"localEndpoints\": 0"))
     });
     let (status, text) = http_get(&node_ns, "127.0.0.1:10249".parse().unwrap(), "/metrics").expect("metrics");
@@ -349,4 +327,12 @@ fn health_check_node_port_and_metrics_over_http() {
     }
     let (_, mode) = http_get(&node_ns, "127.0.0.1:10249".parse().unwrap(), "/proxyMode").expect("proxyMode");
     assert_eq!(mode, "iptables");
+}
+
+common::harness::main! {
+    &[Root, Tool("ip"), Tool("sysctl"), Tool("iptables"), Tool("iptables-save"), Tool("iptables-restore")] =>
+        api_objects_reach_the_kernel_and_the_starting_event_is_sent,
+        api_outage_with_410_converges_without_breaking_traffic,
+        healthz_turns_503_while_changes_cannot_be_synced,
+        health_check_node_port_and_metrics_over_http;
 }

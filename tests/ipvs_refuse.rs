@@ -2,8 +2,11 @@
 //! daemon exit non-zero with a message naming the missing module and how to load it, before it
 //! touches anything. Run in a fresh network namespace (needs root), never the host's.
 //!
-//! On a kernel that has IPVS there is nothing to refuse here; the VM test group
-//! (`tests/vm_ipvs_e2e.rs`) checks the refusal of a scheduler whose module is missing.
+//! On a kernel that has IPVS there is nothing to refuse here (the test is reported as ignored);
+//! the VM test group (`tests/vm_ipvs_e2e.rs`) checks the refusal of a scheduler whose module is
+//! missing.
+
+mod common;
 
 use std::time::{Duration, Instant};
 
@@ -11,12 +14,7 @@ use kube_proxy::lab::netns::Netns;
 
 const BIN: &str = env!("CARGO_BIN_EXE_kube-proxy");
 
-#[test]
 fn ipvs_mode_refuses_to_start_without_the_kernel_module() {
-    assert!(
-        nix::unistd::geteuid().is_root(),
-        "this test creates a network namespace and must run as root"
-    );
     let ns = Netns::create(&format!("kp-ipvs-refuse-{}", std::process::id())).expect("netns");
     let dir = std::env::temp_dir().join(format!("kp-ipvs-refuse-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("manifest dir");
@@ -25,10 +23,6 @@ fn ipvs_mode_refuses_to_start_without_the_kernel_module() {
         "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: default}\nspec:\n  clusterIP: 10.96.0.10\n  ports: [{port: 80, protocol: TCP}]\n",
     )
     .expect("manifest");
-    if std::path::Path::new("/proc/net/ip_vs").exists() {
-        eprintln!("this kernel has IPVS loaded: nothing to refuse (see tests/vm_ipvs_e2e.rs)");
-        return;
-    }
     let args = vec![
         "--proxy-mode=ipvs".to_string(),
         "--hostname-override=node-a".to_string(),
@@ -59,4 +53,9 @@ fn ipvs_mode_refuses_to_start_without_the_kernel_module() {
     assert!(!nat.contains("KUBE-"), "{nat}");
     let links = ns.ip(["-o", "link", "show"]).expect("ip link");
     assert!(!links.contains("kube-ipvs0"), "{links}");
+}
+
+common::harness::main! {
+    &[Root, Tool("ip"), Tool("iptables-save"), KernelWithout(Ipvs)]
+        => ipvs_mode_refuses_to_start_without_the_kernel_module;
 }

@@ -10,20 +10,12 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
+use common::netns::fresh_netns;
+use common::{family_name, numbered};
 use kube_proxy::config::{Flags, ProxyConfig};
 use kube_proxy::ipvs::render::{IpvsRenderOptions, IpvsRuleset, render};
-use kube_proxy::lab::netns::Netns;
-use kube_proxy::model::{IpFamily, NodeInfo, ProxyState, build_state};
-
-fn family_name(family: IpFamily) -> &'static str {
-    match family {
-        IpFamily::V4 => "ipv4",
-        IpFamily::V6 => "ipv6",
-    }
-}
+use kube_proxy::model::{IpFamily, ProxyState};
 
 /// The scenario's flags (the only ones they use: `--hostname-override` and `--cluster-cidr`)
 /// in IPVS mode, through the real configuration code.
@@ -47,28 +39,15 @@ fn config(flags: &[String]) -> ProxyConfig {
 /// Every (scenario, family, state, options) to render: the families a scenario has service
 /// ports in (IPv4 when it has none).
 fn cases() -> Vec<(String, IpFamily, ProxyState, IpvsRenderOptions)> {
-    let mut out = Vec::new();
-    for (name, path, flags) in common::scenarios() {
-        let cfg = config(&flags);
-        let abs = common::root().join(&path);
-        let objects = kube_proxy::manifest::load_paths(&[abs.as_path()]).expect("scenario loads");
-        let node = NodeInfo::from_objects(&objects, "node-a", &[]);
-        let states: Vec<ProxyState> = [IpFamily::V4, IpFamily::V6]
-            .into_iter()
-            .map(|f| build_state(&objects, &node, f))
-            .collect();
-        let used: Vec<&ProxyState> = states.iter().filter(|s| !s.service_ports.is_empty()).collect();
-        let used = if used.is_empty() { vec![&states[0]] } else { used };
-        for st in used {
-            let opts = IpvsRenderOptions::from_config(&cfg, st.family, &node);
-            out.push((name.clone(), st.family, st.clone(), opts));
-        }
-    }
-    assert!(!out.is_empty(), "no scenarios found");
-    out
+    common::scenario_states()
+        .into_iter()
+        .map(|s| {
+            let opts = IpvsRenderOptions::from_config(&config(&s.flags), s.state.family, &s.node);
+            (s.name, s.state.family, s.state, opts)
+        })
+        .collect()
 }
 
-#[test]
 fn ipvs_scenario_snapshots() {
     for (name, family, state, opts) in cases() {
         let rs = render(&state, &opts);
@@ -76,7 +55,6 @@ fn ipvs_scenario_snapshots() {
     }
 }
 
-#[test]
 fn ipvs_render_is_deterministic() {
     for (name, _, state, opts) in cases() {
         assert_eq!(
@@ -88,7 +66,6 @@ fn ipvs_render_is_deterministic() {
 }
 
 /// Invariants that hold for every scenario, whatever its services.
-#[test]
 fn ipvs_every_virtual_server_has_its_set_entry_and_address() {
     for (name, family, state, opts) in cases() {
         let rs = render(&state, &opts);
@@ -127,7 +104,6 @@ fn ipvs_every_virtual_server_has_its_set_entry_and_address() {
     }
 }
 
-#[test]
 fn render_command_in_ipvs_mode() {
     let (_, path, flags) = common::scenarios()
         .into_iter()
@@ -155,39 +131,6 @@ fn render_command_in_ipvs_mode() {
     );
 }
 
-/// A throw-away network namespace (deleted on drop, whatever happens in between).
-fn netns() -> Option<Netns> {
-    static COUNTER: AtomicUsize = AtomicUsize::new(0);
-    Netns::create(&format!(
-        "kp-ipvs-test-{}-{}",
-        std::process::id(),
-        COUNTER.fetch_add(1, Ordering::SeqCst)
-    ))
-    .ok()
-}
-
-fn which(bin: &str) -> bool {
-    Command::new("sh")
-        .args(["-c", &format!("command -v {bin}")])
-        .stdout(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
-fn can_use_netns() -> bool {
-    nix::unistd::geteuid().is_root()
-        && ["ip", "ipset", "iptables-restore", "ip6tables-restore"]
-            .iter()
-            .all(|b| which(b))
-}
-
-fn numbered(text: &str) -> String {
-    text.lines()
-        .enumerate()
-        .map(|(i, l)| format!("{:4} {l}\n", i + 1))
-        .collect()
-}
-
 /// `ipset save`'s `add` lines, as a set, with ipset's canonical spelling of host-sized nets
 /// (it prints `1.2.3.4,tcp:80,10.0.0.1` for a `/32` net) applied to ours too.
 fn add_lines(text: &str) -> BTreeSet<String> {
@@ -206,9 +149,7 @@ fn create_lines(text: &str) -> BTreeSet<String> {
 }
 
 fn apply_in_netns(ctx: &str, family: IpFamily, rs: &IpvsRuleset) {
-    let Some(ns) = netns() else {
-        panic!("{ctx}: `ip netns add` failed");
-    };
+    let ns = fresh_netns("kp-ipvs-test");
     let ipsets = rs.ipset_restore();
     let (ok, msg) = ns.exec_with_input("ipset", ["restore"], &ipsets).expect("ipset runs");
     assert!(
@@ -277,12 +218,7 @@ fn apply_in_netns(ctx: &str, family: IpFamily, rs: &IpvsRuleset) {
     );
 }
 
-#[test]
 fn ipvs_kernel_accepts_every_ruleset() {
-    if !can_use_netns() {
-        eprintln!("skipped: needs root, ip, ipset and iptables-restore to create a network namespace");
-        return;
-    }
     for (name, family, state, opts) in cases() {
         let rs = render(&state, &opts);
         apply_in_netns(&format!("{name} {}", family_name(family)), family, &rs);
@@ -321,4 +257,11 @@ fn ipvs_kernel_accepts_every_ruleset() {
     ] {
         apply_in_netns("external-and-firewall (variant)", IpFamily::V4, &render(&st, &opts));
     }
+}
+
+common::harness::main! {
+    &[] => ipvs_scenario_snapshots, ipvs_render_is_deterministic,
+        ipvs_every_virtual_server_has_its_set_entry_and_address, render_command_in_ipvs_mode;
+    &[Root, Tool("ip"), Tool("ipset"), Tool("iptables-restore"), Tool("ip6tables-restore")]
+        => ipvs_kernel_accepts_every_ruleset;
 }

@@ -5,21 +5,9 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-
+use common::netns::fresh_netns;
 use common::*;
 use kube_proxy::lab::netns::Netns;
-
-/// A throw-away network namespace (deleted on drop, also when the test fails).
-fn netns() -> Netns {
-    static COUNTER: AtomicUsize = AtomicUsize::new(0);
-    let name = format!(
-        "kp-kernel-{}-{}",
-        std::process::id(),
-        COUNTER.fetch_add(1, Ordering::SeqCst)
-    );
-    Netns::create(&name).expect("ip netns add (tests need root and iproute2)")
-}
 
 /// Runs `cmd args` inside the namespace with `stdin`, returning (success, stdout+stderr).
 fn run(ns: &Netns, cmd: &str, args: &[&str], stdin: &str) -> (bool, String) {
@@ -72,7 +60,7 @@ fn check_accepted(label: &str, rendered: &str) {
         } else {
             ("iptables-restore", "iptables-save", "iptables")
         };
-        let ns = netns();
+        let ns = fresh_netns("kp-kernel");
         let (ok, out) = run(&ns, restore_cmd, &["--test", "--noflush", "--counters"], &restore);
         assert!(
             ok,
@@ -113,7 +101,6 @@ fn check_accepted(label: &str, rendered: &str) {
     }
 }
 
-#[test]
 fn kernel_accepts_every_scenario() {
     for (name, path, flags) in scenarios() {
         let rendered = render(&path, &flags);
@@ -121,7 +108,6 @@ fn kernel_accepts_every_scenario() {
     }
 }
 
-#[test]
 fn kernel_accepts_every_config_variant() {
     let variants: &[&[&str]] = &[
         &[
@@ -148,4 +134,9 @@ fn kernel_accepts_every_config_variant() {
         let rendered = render(std::path::Path::new("examples/web"), &flags);
         check_accepted(&flags.join(" "), &rendered);
     }
+}
+
+common::harness::main! {
+    &[Root, Tool("ip"), Tool("iptables-restore"), Tool("ip6tables-restore")]
+        => kernel_accepts_every_scenario, kernel_accepts_every_config_variant;
 }

@@ -1,9 +1,10 @@
 //! `kube-proxy lab` runs end to end as root, prints every section of its report, and leaves
 //! no namespace or process behind.
 
+mod common;
+
 use std::process::Command;
 
-#[test]
 fn lab_reports_every_step_and_cleans_up() {
     let child = Command::new(env!("CARGO_BIN_EXE_kube-proxy"))
         .args(["lab", "--connections", "90"])
@@ -33,19 +34,10 @@ fn lab_reports_every_step_and_cleans_up() {
     ] {
         assert!(stdout.contains(needle), "report lacks {needle:?}:\n{stdout}");
     }
-    let listed = Command::new("ip")
-        .args(["netns", "list"])
-        .output()
-        .expect("ip netns list");
-    let leftover: Vec<String> = String::from_utf8_lossy(&listed.stdout)
-        .lines()
-        .filter(|l| l.starts_with(&format!("kplab-{pid}-")))
-        .map(str::to_string)
-        .collect();
+    let leftover = common::netns::lab_namespaces(pid);
     assert!(leftover.is_empty(), "namespaces left behind: {leftover:?}");
 }
 
-#[test]
 fn lab_runs_in_nftables_mode() {
     let out = Command::new(env!("CARGO_BIN_EXE_kube-proxy"))
         .args(["lab", "--proxy-mode=nftables", "--connections", "60"])
@@ -63,4 +55,11 @@ fn lab_runs_in_nftables_mode() {
     ] {
         assert!(stdout.contains(needle), "report lacks {needle:?}:\n{stdout}");
     }
+}
+
+common::harness::main! {
+    &[Root, Tool("ip"), Tool("sysctl"), Tool("iptables"), Tool("iptables-save"), Tool("iptables-restore")]
+        => lab_reports_every_step_and_cleans_up;
+    &[Root, Tool("ip"), Tool("sysctl"), Tool("iptables"), Tool("iptables-save"), Tool("iptables-restore"), Tool("nft")]
+        => lab_runs_in_nftables_mode;
 }

@@ -4,12 +4,15 @@
 //! Each side runs in a thread that unshared its own network namespace (gone with the
 //! thread), never in the root namespace.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::net::{IpAddr, Ipv4Addr};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use common::netns::in_fresh_netns;
 use kube_proxy::config::LocalDetector;
 use kube_proxy::model::{
     Endpoint, IpFamily, NodeInfo, Protocol, ProxyState, ServicePort, ServicePortName, ServicePortState,
@@ -17,7 +20,6 @@ use kube_proxy::model::{
 use kube_proxy::nftables::proxier::{NftBackend, NftCommand, NftProxier};
 use kube_proxy::nftables::render_transaction;
 use kube_proxy::proxy::RenderOptions;
-use nix::sched::{CloneFlags, unshare};
 use serde_json::Value;
 
 fn opts() -> RenderOptions {
@@ -142,18 +144,8 @@ fn listing() -> BTreeMap<String, Value> {
     out
 }
 
-/// Runs `f` in a thread with a network namespace of its own.
-fn in_fresh_namespace<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
-    std::thread::spawn(move || {
-        unshare(CloneFlags::CLONE_NEWNET).expect("unshare(CLONE_NEWNET) needs root");
-        f()
-    })
-    .join()
-    .expect("namespace thread")
-}
-
 fn reference(st: ProxyState) -> BTreeMap<String, Value> {
-    in_fresh_namespace(move || {
+    in_fresh_netns(move || {
         let text = render_transaction(&st, &opts(), true);
         let mut child = Command::new("nft")
             .args(["-f", "-"])
@@ -175,7 +167,7 @@ fn incremental_matches_full_render(backend: fn() -> Box<dyn NftBackend>) {
     for run in 0..4u64 {
         let seeds: Vec<u64> = (0..6).map(|i| run * 100 + i).collect();
         let last = state(*seeds.last().expect("seeds"));
-        let got = in_fresh_namespace(move || {
+        let got = in_fresh_netns(move || {
             let mut p = NftProxier::with_backend(IpFamily::V4, opts(), backend());
             // Small transactions, so full syncs are split too.
             p.set_max_ops_per_transaction(40);
@@ -201,14 +193,18 @@ fn incremental_matches_full_render(backend: fn() -> Box<dyn NftBackend>) {
     }
 }
 
-#[test]
 fn incremental_syncs_with_nft_match_a_full_render() {
     incremental_matches_full_render(|| Box::new(NftCommand));
 }
 
-#[test]
 fn incremental_syncs_over_netlink_match_a_full_render() {
     incremental_matches_full_render(|| {
         Box::new(kube_proxy::nftables::netlink::NftSocket::new().expect("netlink socket"))
     });
+}
+
+common::harness::main! {
+    &[Root, Tool("nft")] =>
+        incremental_syncs_with_nft_match_a_full_render,
+        incremental_syncs_over_netlink_match_a_full_render;
 }

@@ -5,66 +5,25 @@
 
 mod common;
 
-use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
-
-use kube_proxy::config::LocalDetector;
-use kube_proxy::lab::netns::Netns;
-use kube_proxy::model::{IpFamily, NodeInfo, ProxyState, build_state};
-use kube_proxy::nftables::{render, render_transaction};
+use common::netns::fresh_netns;
+use common::{family_name, nft_family, nft_options, numbered};
 use kube_proxy::proxy::RenderOptions;
-
-/// The `--cluster-cidr` of `family` from a scenario's flags, else the IPv4 default the brief
-/// of these tests uses (which the renderer ignores for IPv6).
-fn cluster_cidr(flags: &[String], family: IpFamily) -> String {
-    flags
-        .iter()
-        .filter_map(|f| f.strip_prefix("--cluster-cidr="))
-        .flat_map(|v| v.split(','))
-        .find(|c| c.parse::<ipnet::IpNet>().is_ok_and(|n| family.contains(&n.addr())))
-        .unwrap_or("10.244.0.0/16")
-        .to_string()
-}
-
-fn options(flags: &[String], family: IpFamily) -> RenderOptions {
-    RenderOptions {
-        local_detector: LocalDetector::Cidr(cluster_cidr(flags, family)),
-        // nftables mode defaults nodePortAddresses to the node's primary IPs.
-        node_port_addresses: vec!["primary".into()],
-        ..RenderOptions::default()
-    }
-}
-
-fn family_name(family: IpFamily) -> &'static str {
-    match family {
-        IpFamily::V4 => "ipv4",
-        IpFamily::V6 => "ipv6",
-    }
-}
+use kube_proxy::lab::netns::Netns;
+use kube_proxy::model::{IpFamily, ProxyState};
+use kube_proxy::nftables::{render, render_transaction};
 
 /// Every (scenario, family, state, options) to render: the families a scenario has service
 /// ports in (IPv4 when it has none).
 fn cases() -> Vec<(String, IpFamily, ProxyState, RenderOptions)> {
-    let mut out = Vec::new();
-    for (name, path, flags) in common::scenarios() {
-        let abs = common::root().join(&path);
-        let objects = kube_proxy::manifest::load_paths(&[abs.as_path()]).expect("scenario loads");
-        let node = NodeInfo::from_objects(&objects, "node-a", &[]);
-        let states: Vec<ProxyState> = [IpFamily::V4, IpFamily::V6]
-            .into_iter()
-            .map(|f| build_state(&objects, &node, f))
-            .collect();
-        let used: Vec<&ProxyState> = states.iter().filter(|s| !s.service_ports.is_empty()).collect();
-        let used = if used.is_empty() { vec![&states[0]] } else { used };
-        for st in used {
-            out.push((name.clone(), st.family, st.clone(), options(&flags, st.family)));
-        }
-    }
-    assert!(!out.is_empty(), "no scenarios found");
-    out
+    common::scenario_states()
+        .into_iter()
+        .map(|s| {
+            let family = s.state.family;
+            (s.name, family, s.state, nft_options(&s.flags, family))
+        })
+        .collect()
 }
 
-#[test]
 fn nft_scenario_snapshots() {
     for (name, family, state, opts) in cases() {
         let text = render(&state, &opts);
@@ -72,39 +31,15 @@ fn nft_scenario_snapshots() {
     }
 }
 
-#[test]
 fn nft_render_is_deterministic() {
     for (name, _, state, opts) in cases() {
         assert_eq!(render(&state, &opts), render(&state, &opts), "{name}");
     }
 }
 
-/// A throw-away network namespace (deleted on drop, whatever happens in between).
-fn netns() -> Option<Netns> {
-    static COUNTER: AtomicUsize = AtomicUsize::new(0);
-    Netns::create(&format!(
-        "kp-nft-test-{}-{}",
-        std::process::id(),
-        COUNTER.fetch_add(1, Ordering::SeqCst)
-    ))
-    .ok()
-}
-
 /// Runs `nft ARGS` in the namespace with `stdin` as input; returns (success, stdout+stderr).
 fn nft(ns: &Netns, args: &[&str], stdin: &str) -> (bool, String) {
     ns.exec_with_input("nft", args, stdin).expect("ip netns exec runs")
-}
-
-fn can_use_netns() -> bool {
-    nix::unistd::geteuid().is_root() && which("nft") && which("ip")
-}
-
-fn which(bin: &str) -> bool {
-    Command::new("sh")
-        .args(["-c", &format!("command -v {bin}")])
-        .stdout(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
 }
 
 /// The blank-line separated blocks (sets, maps, chains) of an `nft list table`, sorted.
@@ -117,28 +52,11 @@ fn blocks(listing: &str) -> Vec<String> {
     v
 }
 
-fn numbered(text: &str) -> String {
-    text.lines()
-        .enumerate()
-        .map(|(i, l)| format!("{:4} {l}\n", i + 1))
-        .collect()
-}
-
-#[test]
 fn nft_kernel_accepts_every_transaction() {
-    if !can_use_netns() {
-        eprintln!("skipped: needs root and nft to create a network namespace");
-        return;
-    }
     for (name, family, state, opts) in cases() {
         let ctx = format!("{name} {}", family_name(family));
-        let Some(ns) = netns() else {
-            panic!("{ctx}: `ip netns add` failed");
-        };
-        let nft_family = match family {
-            IpFamily::V4 => "ip",
-            IpFamily::V6 => "ip6",
-        };
+        let ns = fresh_netns("kp-nft-test");
+        let nft_family = nft_family(family);
         let first = render(&state, &opts);
         let (ok, msg) = nft(&ns, &["--check", "-f", "-"], &first);
         assert!(
@@ -165,4 +83,9 @@ fn nft_kernel_accepts_every_transaction() {
         // Re-created base chains are listed last, so compare the blocks in any order.
         assert_eq!(blocks(&listing), blocks(&again), "{ctx}: a resync changed the ruleset");
     }
+}
+
+common::harness::main! {
+    &[] => nft_scenario_snapshots, nft_render_is_deterministic;
+    &[Root, Tool("ip"), Tool("nft")] => nft_kernel_accepts_every_transaction;
 }

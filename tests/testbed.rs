@@ -1,11 +1,13 @@
 //! The end-to-end test bed on its own, without any kube-proxy rules: plain routing between the
 //! namespaces, the name server and the probe. Needs root (creates network namespaces).
 
+mod common;
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::Command;
 use std::time::Instant;
 
+use common::netns::netns_list;
 use kube_proxy::lab::probe::{ERR_REFUSED, ERR_TIMEOUT, ERR_UNREACHABLE, ProbeArgs};
 use kube_proxy::lab::testbed::{SERVER_PORT, Testbed, TestbedSpec};
 
@@ -29,23 +31,6 @@ fn build(endpoints: usize) -> Testbed {
     bed
 }
 
-fn netns_list() -> Vec<String> {
-    let out = Command::new("ip")
-        .args(["netns", "list"])
-        .output()
-        .expect("ip netns list runs");
-    assert!(
-        out.status.success(),
-        "ip netns list: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| l.split_whitespace().next().map(str::to_string))
-        .collect()
-}
-
-#[test]
 fn client_reaches_every_endpoint_over_tcp_and_udp() {
     let bed = build(3);
     assert_eq!(bed.endpoints().len(), 3);
@@ -73,7 +58,6 @@ fn client_reaches_every_endpoint_over_tcp_and_udp() {
     }
 }
 
-#[test]
 fn outside_host_reaches_an_endpoint_through_the_node() {
     let bed = build(2);
     let ep = bed.endpoint(1);
@@ -94,7 +78,6 @@ fn outside_host_reaches_an_endpoint_through_the_node() {
     assert_eq!(r.attempts[0].seen_src, Some("10.244.1.1".parse().unwrap()), "{r:?}");
 }
 
-#[test]
 fn an_added_endpoint_answers() {
     let mut bed = build(3);
     let started = Instant::now();
@@ -117,7 +100,6 @@ fn an_added_endpoint_answers() {
     assert_eq!(bed.add_endpoint().unwrap().name, "ep5");
 }
 
-#[test]
 fn a_closed_port_is_refused_quickly() {
     let bed = build(1);
     let closed = SocketAddr::new(bed.endpoint(0).ip, 9);
@@ -137,7 +119,6 @@ fn a_closed_port_is_refused_quickly() {
     assert_eq!(r.errors().get(ERR_REFUSED), Some(&20), "{r:?}");
 }
 
-#[test]
 fn a_stream_echoes_every_line() {
     let bed = build(1);
     let ep = bed.endpoint(0);
@@ -157,7 +138,6 @@ fn a_stream_echoes_every_line() {
     assert_eq!(r.attempts[0].name.as_deref(), Some("ep1"));
 }
 
-#[test]
 fn unrouted_addresses_time_out_or_are_unreachable() {
     let bed = build(1);
     // No endpoint 10.244.200.2: the node forwards it along its default route to the outside
@@ -178,7 +158,6 @@ fn unrouted_addresses_time_out_or_are_unreachable() {
     assert_eq!(r.attempts[0].error.as_deref(), Some(ERR_UNREACHABLE), "{r:?}");
 }
 
-#[test]
 fn dropping_a_bed_removes_its_namespaces_and_processes() {
     let bed = build(2);
     let id = bed.id().to_string();
@@ -215,7 +194,6 @@ fn dropping_a_bed_removes_its_namespaces_and_processes() {
     );
 }
 
-#[test]
 fn a_panicking_test_still_cleans_up() {
     let id = std::sync::Mutex::new(String::new());
     let res = std::panic::catch_unwind(|| {
@@ -231,4 +209,16 @@ fn a_panicking_test_still_cleans_up() {
         .filter(|n| n.starts_with(&format!("{id}-")))
         .collect();
     assert!(left.is_empty(), "left over: {left:?}");
+}
+
+common::harness::main! {
+    &[Root, Tool("ip"), Tool("sysctl")] =>
+        client_reaches_every_endpoint_over_tcp_and_udp,
+        outside_host_reaches_an_endpoint_through_the_node,
+        an_added_endpoint_answers,
+        a_closed_port_is_refused_quickly,
+        a_stream_echoes_every_line,
+        unrouted_addresses_time_out_or_are_unreachable,
+        dropping_a_bed_removes_its_namespaces_and_processes,
+        a_panicking_test_still_cleans_up;
 }

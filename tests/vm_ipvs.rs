@@ -1,10 +1,11 @@
 //! IPVS on a real kernel: tests that run in the test VM (`vm/run`), because this machine's own
-//! kernel has no IPVS. They need root, qemu and Debian's kernel (see .ci/run) and fail, never
-//! skip, without them.
+//! kernel has no IPVS. They need root, qemu and Debian's kernel (see .ci/run); without them they
+//! are reported as ignored, with what is missing.
 //!
 //! A VM boot costs several seconds under TCG, so each test boots once and runs a whole script;
 //! the script prints `--- NAME` / `--- end` sections that the test then checks one by one.
 
+mod common;
 #[path = "support/vm.rs"]
 mod vm;
 
@@ -124,7 +125,6 @@ exit 42
 
 /// One boot: the runner's basics (output, working directory, writable paths, exit code), the
 /// smoke test of IPVS itself, and real TCP connections through an IPVS virtual service.
-#[test]
 fn ipvs_in_vm() {
     let kube_proxy = env!("CARGO_BIN_EXE_kube-proxy");
     let started = Instant::now();
@@ -191,7 +191,6 @@ fn ipvs_in_vm() {
 
 /// A command that outlives the timeout ends the run with a timeout error (and qemu killed),
 /// not a hang: with 1 s, the VM has not even booted.
-#[test]
 fn timeout_stops_the_vm() {
     let started = Instant::now();
     let err = try_run_in_vm(&["sleep", "600"], Duration::from_secs(1)).expect_err("a 1 s run cannot finish");
@@ -200,4 +199,8 @@ fn timeout_stops_the_vm() {
     assert!(err.to_string().contains("did not boot within 1 s"), "{err}");
     // vm/run gives qemu 5 s after SIGTERM before SIGKILL; the rest is preparing the initramfs.
     assert!(took < Duration::from_secs(30), "returned after {took:?}");
+}
+
+common::harness::main! {
+    &[Root, Vm] => ipvs_in_vm, timeout_stops_the_vm;
 }

@@ -1,6 +1,6 @@
 //! End-to-end in IPVS mode on a real IPVS kernel: the test VM (`vm/run`), since this machine's
-//! own kernel has none. Needs root, qemu and Debian's kernel (see .ci/run); fails, never skips,
-//! without them.
+//! own kernel has none. Needs root, qemu and Debian's kernel (see .ci/run); without them it is
+//! reported as ignored, with what is missing.
 //!
 //! One VM boot for the whole file: on the host, [`ipvs_e2e_in_vm`] re-runs this test binary in
 //! the VM (`--exact ipvs_e2e_in_vm` with `KUBE_PROXY_IN_VM=1`), where the same test builds the
@@ -36,6 +36,7 @@
 //! - `trace --proxy-mode=ipvs` over the daemon's manifests agrees with where the traffic of
 //!   the NodePort, zero-endpoint and source-range checks went (verdict, endpoints, masquerade).
 
+mod common;
 #[path = "support/vm.rs"]
 mod vm;
 
@@ -44,28 +45,24 @@ use std::time::Duration;
 /// Printed by the in-VM run when every check passed, so that the host knows the checks ran.
 const ALL_PASSED: &str = "vm-ipvs-e2e: all checks passed";
 
-#[test]
 fn ipvs_e2e_in_vm() {
-    if vm::in_vm() {
-        in_vm::run();
-        println!("{ALL_PASSED}");
-        return;
-    }
-    vm::run_this_test_in_vm("ipvs_e2e_in_vm", ALL_PASSED, Duration::from_secs(600));
+    vm::checks_in_vm("ipvs_e2e_in_vm", ALL_PASSED, Duration::from_secs(600), in_vm::run);
 }
 
 mod in_vm {
     use std::collections::BTreeMap;
     use std::io::{BufRead, BufReader, Read, Write};
     use std::net::{IpAddr, SocketAddr, TcpStream};
-    use std::path::{Path, PathBuf};
+    use std::path::Path;
     use std::time::{Duration, Instant};
 
     use kube_proxy::lab::netns::ChildGuard;
     use kube_proxy::lab::probe::{ProbeArgs, ProbeReport};
     use kube_proxy::lab::scenario::{Ep, ServiceSpec, manifests};
     use kube_proxy::lab::testbed::{Testbed, TestbedSpec};
-    use nix::sched::{CloneFlags, setns};
+
+    use crate::common::netns::in_netns;
+    use crate::common::{ManifestDir, wait_until_every};
 
     const BIN: &str = env!("CARGO_BIN_EXE_kube-proxy");
     const WEB: &str = "10.96.165.10";
@@ -86,51 +83,8 @@ mod in_vm {
         SocketAddr::new(ip.parse().expect("test address"), port)
     }
 
-    /// Polls `check` until true; panics after `timeout`. Returns the time it took.
-    fn wait_until(timeout: Duration, what: &str, mut check: impl FnMut() -> bool) -> Duration {
-        let start = Instant::now();
-        loop {
-            if check() {
-                return start.elapsed();
-            }
-            assert!(
-                start.elapsed() < timeout,
-                "timed out after {timeout:?} waiting for {what}"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    /// Runs `f` on a thread inside the named network namespace (`/run/netns/NAME`). Sockets it
-    /// creates stay in that namespace after it returns them.
-    fn in_netns<T: Send>(name: &str, f: impl FnOnce() -> T + Send) -> T {
-        std::thread::scope(|s| {
-            s.spawn(|| {
-                let fd = std::fs::File::open(Path::new("/run/netns").join(name)).expect("the namespace exists");
-                setns(&fd, CloneFlags::CLONE_NEWNET).expect("setns (needs root)");
-                f()
-            })
-            .join()
-            .unwrap_or_else(|p| std::panic::resume_unwind(p))
-        })
-    }
-
-    /// A manifest directory, removed on drop.
-    struct Dir(PathBuf);
-
-    impl Dir {
-        fn write(&self, yaml: &str) {
-            let tmp = self.0.join(".services.yaml.tmp");
-            std::fs::write(&tmp, yaml).expect("write manifests");
-            std::fs::rename(&tmp, self.0.join("services.yaml")).expect("rename manifests");
-        }
-    }
-
-    impl Drop for Dir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
+    /// How often the checks poll for a change (under TCG every command costs).
+    const POLL: Duration = Duration::from_millis(50);
 
     /// The test bed's Services; `drain` lists the endpoints of the graceful-termination one.
     fn services(bed: &Testbed, drain: &[Ep]) -> String {
@@ -175,7 +129,7 @@ mod in_vm {
 
     struct Node {
         bed: Testbed,
-        dir: Dir,
+        dir: ManifestDir,
         daemon: Option<ChildGuard>,
     }
 
@@ -298,8 +252,7 @@ mod in_vm {
         spec.endpoints = 3;
         let bed = Testbed::build(&spec).expect("test bed builds");
         println!("test bed built in {:?}", started.elapsed());
-        let dir = Dir(std::env::temp_dir().join(format!("kp-vm-ipvs-{}", std::process::id())));
-        std::fs::create_dir_all(&dir.0).expect("manifest dir");
+        let dir = ManifestDir::new("kp-vm-ipvs");
         dir.write(&services(&bed, &[Ep::local(bed.endpoint(0).ip)]));
         let mut node = Node { bed, dir, daemon: None };
         // Each step's time is printed: under TCG the budget is tight.
@@ -578,7 +531,7 @@ mod in_vm {
         bed.node
             .ip(["addr", "add", "192.168.49.3/24", "dev", "eth0"])
             .expect("add the address");
-        let added = wait_until(Duration::from_secs(15), "a NodePort on the new address", || {
+        let added = wait_until_every(POLL, Duration::from_secs(15), "a NodePort on the new address", || {
             on_port(node, WEB_NODE_PORT).contains(&line)
         });
         let outside = bed.outside_ips()[0];
@@ -588,7 +541,8 @@ mod in_vm {
         bed.node
             .ip(["addr", "del", "192.168.49.3/24", "dev", "eth0"])
             .expect("delete the address");
-        let removed = wait_until(
+        let removed = wait_until_every(
+            POLL,
             Duration::from_secs(15),
             "the NodePort gone from the old address",
             || !on_port(node, WEB_NODE_PORT).contains(&line),
@@ -630,7 +584,8 @@ mod in_vm {
             "nothing changes while the daemon is down"
         );
         node.start_daemon(&[]);
-        wait_until(
+        wait_until_every(
+            POLL,
             Duration::from_secs(10),
             "the NodePort virtual servers of lb gone",
             || on_port(node, LB_NODE_PORT).is_empty(),
@@ -749,7 +704,7 @@ mod in_vm {
         node.dir.write(&services(bed, &[Ep::local(new.ip)]));
         let changed = Instant::now();
         let old_rs = old.server_addr();
-        wait_until(Duration::from_secs(15), "the old real server at weight 0", || {
+        wait_until_every(POLL, Duration::from_secs(15), "the old real server at weight 0", || {
             let rs = node.real_servers(vip);
             rs.get(&old_rs).is_some_and(|r| r.0 == 0) && rs.contains_key(&new.server_addr())
         });
@@ -775,7 +730,7 @@ mod in_vm {
         drop(reader);
         drop(stream);
         let closed = Instant::now();
-        wait_until(Duration::from_secs(45), "the drained real server deleted", || {
+        wait_until_every(POLL, Duration::from_secs(45), "the drained real server deleted", || {
             !node.real_servers(vip).contains_key(&old_rs)
         });
         println!(
@@ -800,7 +755,7 @@ mod in_vm {
             let started = Instant::now();
             // Once the kernel holds the flow (on the old endpoint: the only one), the endpoint
             // goes.
-            wait_until(Duration::from_secs(10), "the UDP flow in the IPVS table", || {
+            wait_until_every(POLL, Duration::from_secs(10), "the UDP flow in the IPVS table", || {
                 node.ipvsadm(&["-Lnc"])
                     .lines()
                     .any(|l| l.contains(&format!("{DNS}:80")) && l.contains(&old.server_addr().to_string()))
@@ -890,4 +845,8 @@ mod in_vm {
             .expect("iptables-save");
         assert!(!nat.contains("KUBE-"), "{nat}");
     }
+}
+
+common::harness::main! {
+    &[Root, Vm] => ipvs_e2e_in_vm;
 }

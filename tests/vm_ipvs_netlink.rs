@@ -1,6 +1,6 @@
 //! `kube_proxy::ipvs::netlink` against a real IPVS: the kernel of the test VM (`vm/run`), since
 //! this machine's own kernel has none. Needs root, qemu and Debian's kernel (see .ci/run);
-//! fails, never skips, without them.
+//! without them it is reported as ignored, with what is missing.
 //!
 //! One VM boot for the whole file: on the host, [`ipvs_netlink_in_vm`] re-runs this very test
 //! binary inside the VM (`--exact ipvs_netlink_in_vm` with `KUBE_PROXY_IN_VM=1`), where the
@@ -12,6 +12,7 @@
 //!   refuses what the kernel refuses, with the same errno;
 //! - timeouts, flush, and dumps that span many datagrams.
 
+mod common;
 #[path = "support/vm.rs"]
 mod vm;
 
@@ -23,23 +24,13 @@ use kube_proxy::ipvs::netlink::IpvsError;
 /// (and not, say, a filter that matched no test).
 const ALL_PASSED: &str = "ipvs-netlink-in-vm: all checks passed";
 
-#[test]
 fn ipvs_netlink_in_vm() {
-    if vm::in_vm() {
-        in_vm::run();
-        println!("{ALL_PASSED}");
-        return;
-    }
-    vm::run_this_test_in_vm("ipvs_netlink_in_vm", ALL_PASSED, Duration::from_secs(600));
+    vm::checks_in_vm("ipvs_netlink_in_vm", ALL_PASSED, Duration::from_secs(600), in_vm::run);
 }
 
 /// Where the kernel has no IPVS at all (this machine's), creating a handle says so in the words
 /// the daemon shows, and does not fall back to anything.
-#[test]
 fn no_ipvs_is_a_clear_error() {
-    if vm::in_vm() {
-        return;
-    }
     match kube_proxy::ipvs::netlink::IpvsHandle::new() {
         Err(e @ IpvsError::NotAvailable) => assert_eq!(
             e.to_string(),
@@ -63,7 +54,6 @@ mod in_vm {
 
     use kube_proxy::ipvs::netlink::*;
     use kube_proxy::model::{IpFamily, Protocol};
-    use nix::sched::{CloneFlags, unshare};
 
     fn ip(s: &str) -> IpAddr {
         s.parse().expect("test address")
@@ -95,14 +85,9 @@ mod in_vm {
     /// Runs `f` on a thread in a new network namespace with `lo` up (without it, the kernel
     /// refuses every real server: it wants a unicast route for the address).
     fn in_fresh_netns<T: Send>(f: impl FnOnce() -> T + Send) -> T {
-        std::thread::scope(|s| {
-            s.spawn(|| {
-                unshare(CloneFlags::CLONE_NEWNET).expect("unshare(CLONE_NEWNET) (needs root)");
-                sh("ip", &["link", "set", "lo", "up"]);
-                f()
-            })
-            .join()
-            .unwrap_or_else(|p| std::panic::resume_unwind(p))
+        crate::common::netns::in_fresh_netns(|| {
+            sh("ip", &["link", "set", "lo", "up"]);
+            f()
         })
     }
 
@@ -529,4 +514,9 @@ mod in_vm {
         assert!(k.services().expect("services").is_empty());
         eprintln!("big dumps ({n} services, {m} real servers): ok");
     }
+}
+
+common::harness::main! {
+    &[Root, Vm] => ipvs_netlink_in_vm;
+    &[Host] => no_ipvs_is_a_clear_error;
 }

@@ -1,8 +1,9 @@
 //! `kube-proxy lab --proxy-mode=ipvs`, whole, in the VM test group: this machine's kernel has
 //! no IPVS, so the lab boots the test VM itself (`src/lab/relay.rs`), runs again there with the
 //! same arguments, and relays the report and the exit code. Needs root, qemu and Debian's
-//! kernel (see .ci/run); fails, never skips, without them. On a kernel with IPVS the same test
-//! checks the lab run here instead.
+//! kernel (see .ci/run); without them the tests are reported as ignored, with what is missing.
+//! On a kernel with IPVS the first test checks the lab run here instead, and the two others,
+//! about the VM, are ignored.
 //!
 //! The checks are on the report's content, section by section (rr's exact split, the real
 //! servers, the kernel's refusal with no endpoint, the NodePort's virtual server, IPVS's
@@ -10,6 +11,7 @@
 //! temporary directory is the lab's own `TMPDIR`, which must end empty, and no process may
 //! still name it), and, in the VM, the lab's own check of `ip netns list` in its last line.
 
+mod common;
 #[path = "support/vm.rs"]
 mod vm;
 
@@ -152,7 +154,7 @@ impl Lab {
         assert!(left.is_empty(), "left in the lab's TMPDIR: {left:?}");
         let users = processes_naming(&self.tmp);
         assert!(users.is_empty(), "processes still using the VM's files: {users:?}");
-        let namespaces = host_namespaces(self.child.id());
+        let namespaces = common::netns::lab_namespaces(self.child.id());
         assert!(namespaces.is_empty(), "namespaces on this machine: {namespaces:?}");
     }
 }
@@ -187,19 +189,6 @@ fn processes_naming(path: &Path) -> Vec<String> {
         .collect()
 }
 
-/// This machine's namespaces named as the lab with pid `pid` names its own.
-fn host_namespaces(pid: u32) -> Vec<String> {
-    let listed = Command::new("ip")
-        .args(["netns", "list"])
-        .output()
-        .expect("ip netns list");
-    String::from_utf8_lossy(&listed.stdout)
-        .lines()
-        .filter(|l| l.starts_with(&format!("kplab-{pid}-")))
-        .map(str::to_string)
-        .collect()
-}
-
 fn has_ipvs() -> bool {
     Path::new("/proc/net/ip_vs").exists()
 }
@@ -225,7 +214,6 @@ fn assert_has(text: &str, needles: &[&str]) {
     }
 }
 
-#[test]
 fn lab_in_ipvs_mode_reports_from_the_vm() {
     let _one = ONE_VM.lock().unwrap_or_else(|e| e.into_inner());
     let started = Instant::now();
@@ -330,7 +318,6 @@ fn lab_in_ipvs_mode_reports_from_the_vm() {
 
 /// SIGTERM while the lab runs in the VM (its test bed built there): the lab stops the VM and
 /// exits non-zero soon, leaving nothing behind.
-#[test]
 fn sigterm_stops_the_vm_and_leaves_nothing() {
     let _one = ONE_VM.lock().unwrap_or_else(|e| e.into_inner());
     let mut lab = Lab::start("sigterm", &["--proxy-mode=ipvs"]);
@@ -348,12 +335,7 @@ fn sigterm_stops_the_vm_and_leaves_nothing() {
 
 /// A VM that cannot boot (here: a kernel that is not in /boot) is an error that says why, and
 /// no report from any other mode.
-#[test]
 fn a_vm_that_cannot_boot_fails_clearly() {
-    if has_ipvs() {
-        eprintln!("this kernel has IPVS: the lab needs no VM here");
-        return;
-    }
     let out = Command::new(BIN)
         .args(["lab", "--proxy-mode=ipvs"])
         .env(kube_proxy::vm::CACHE_ENV, vm::cache_dir())
@@ -372,4 +354,24 @@ fn a_vm_that_cannot_boot_fails_clearly() {
         ],
     );
     assert!(!stdout.contains("kube-proxy lab:"), "no report: {stdout}");
+}
+
+/// What `kube-proxy lab --proxy-mode=ipvs` runs (it checks for these itself, and fails).
+const LAB_TOOLS: &[common::harness::Requirement] = {
+    use common::harness::Requirement::Tool;
+    &[
+        Tool("ip"),
+        Tool("sysctl"),
+        Tool("iptables"),
+        Tool("iptables-save"),
+        Tool("iptables-restore"),
+        Tool("ipset"),
+        Tool("ipvsadm"),
+    ]
+};
+
+common::harness::main! {
+    &[&[Root, AnyOf(&[Kernel(Ipvs), Vm])], LAB_TOOLS].concat() => lab_in_ipvs_mode_reports_from_the_vm;
+    &[&[Root, KernelWithout(Ipvs), Vm], LAB_TOOLS].concat() =>
+        sigterm_stops_the_vm_and_leaves_nothing, a_vm_that_cannot_boot_fails_clearly;
 }

@@ -1,8 +1,10 @@
 //! Running commands in the test VM, for the VM test group (`tests/vm_*.rs`): the panicking
 //! edge over [`kube_proxy::vm`], which owns the runner (shared with `kube-proxy lab`).
 //!
-//! A VM that cannot boot is a test failure, never a skip: [`run_in_vm`] panics with the
-//! reason (missing package, unreadable kernel, the end of the guest's console log...).
+//! Where root or the VM's packages are missing, the VM tests are reported as ignored with what
+//! is missing (their `Requirement::Vm` in tests/common/harness.rs); a VM that still cannot boot
+//! is a test failure: [`run_in_vm`] panics with the reason (unreadable kernel, the end of the
+//! guest's console log...).
 
 // Each VM test file uses a different part of this.
 #![allow(dead_code, unused_imports)]
@@ -22,13 +24,13 @@ pub fn cache_dir() -> PathBuf {
 
 /// Runs `args` in a fresh VM (working directory: this process's) and returns its exit code
 /// and output. Panics, loudly and with the reason, when the VM cannot boot or the timeout
-/// passes: the VM test group must fail, not skip, where the VM is unavailable.
+/// passes.
 pub fn run_in_vm(args: &[&str], timeout: Duration) -> VmOutput {
     match try_run_in_vm(args, timeout) {
         Ok(out) => out,
         Err(e) => panic!(
             "the test VM did not run {args:?}: {e}\n\
-             (VM tests need root and {}: see .ci/run; they are never skipped)",
+             (VM tests need root and {}: see .ci/run)",
             kube_proxy::vm::PACKAGES
         ),
     }
@@ -39,8 +41,21 @@ pub fn try_run_in_vm(args: &[&str], timeout: Duration) -> Result<VmOutput, VmErr
     Vm::new(cache_dir()).timeout(timeout).run(args)
 }
 
+/// The body of a test whose checks run in the VM: there (this binary re-run by
+/// [`run_this_test_in_vm`]), runs `checks` and prints `marker` once they passed; on the host,
+/// re-runs test `name` in the VM.
+pub fn checks_in_vm(name: &str, marker: &str, timeout: Duration, checks: fn()) {
+    if in_vm() {
+        checks();
+        println!("{marker}");
+    } else {
+        run_this_test_in_vm(name, marker, timeout);
+    }
+}
+
 /// Runs test `name` of this very test binary inside one VM, with [`IN_VM`] set, and asserts
-/// that it passed and printed `marker` (so a filter that matched no test cannot pass).
+/// that it passed and printed `marker` (so a filter that matched no test, or a test the harness
+/// ignored in the VM, cannot pass). The arguments are libtest's, which the harness takes too.
 pub fn run_this_test_in_vm(name: &str, marker: &str, timeout: Duration) {
     let exe = std::env::current_exe().expect("the test binary's path");
     let exe = exe.to_str().expect("a UTF-8 path");
