@@ -6,6 +6,8 @@
 //!   exactly as upstream's change trackers and `CategorizeEndpoints` compute them.
 //! - [`config`]: `KubeProxyConfiguration` (v1alpha1) and upstream's flags with their precedence.
 //! - [`iptables`]: the pure `iptables-restore` renderer and the packet tracer over its output.
+//! - [`netlink`]: netlink message framing (building, splitting, attributes, error replies)
+//!   shared by the IPVS, nftables and conntrack edges.
 //! - [`vm`]: a throw-away VM with a kernel that has IPVS, for the VM tests and for
 //!   `kube-proxy lab --proxy-mode=ipvs` on a kernel without it.
 #![forbid(unsafe_code)]
@@ -24,6 +26,7 @@ pub mod logging;
 pub mod manifest;
 pub mod metrics;
 pub mod model;
+pub mod netlink;
 pub mod nftables;
 pub mod source;
 pub mod vm;

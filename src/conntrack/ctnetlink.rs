@@ -1,7 +1,8 @@
 //! The kernel's conntrack table over ctnetlink ([`Netlink`]): one dump request lists a
 //! family's flows, delete requests (acknowledged one by one, sent in batches) remove the stale
-//! ones. Messages are built and read with the `netlink-packet-netfilter` crate; this module
-//! only frames the exchange and reduces flow messages to [`Flow`]s.
+//! ones. Messages are built and read with the `netlink-packet-netfilter` crate, datagrams
+//! split and sent with [`crate::netlink`]; this module runs the exchange and reduces flow
+//! messages to [`Flow`]s.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -9,7 +10,7 @@ use std::io;
 use std::net::IpAddr;
 
 use netlink_packet_core::{
-    NLM_F_ACK, NLM_F_DUMP, NLM_F_DUMP_INTR, NLM_F_REQUEST, NetlinkBuffer, NetlinkHeader, NetlinkMessage, NetlinkPayload,
+    NLM_F_ACK, NLM_F_DUMP, NLM_F_DUMP_INTR, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
 };
 use netlink_packet_netfilter::conntrack::{
     ConntrackAttribute, ConntrackMessage, IPTuple, ProtoTuple, Protocol as CtProtocol, Tuple,
@@ -21,11 +22,10 @@ use tracing::{debug, warn};
 
 use super::cleanup::{ConntrackTable, Error, Flow};
 use crate::model::IpFamily;
+use crate::netlink::{self, NLMSG_DONE, NLMSG_ERROR};
 
 /// ctnetlink is nfnetlink subsystem 1; its message types are `subsys << 8 | IPCTNL_MSG_CT_*`.
 const NFNL_SUBSYS_CTNETLINK: u16 = 1;
-const NLMSG_ERROR: u16 = 2;
-const NLMSG_DONE: u16 = 3;
 const IPPROTO_UDP: u8 = 17;
 /// Large enough for any single netlink datagram: the kernel caps dump skbs at 32 KiB.
 const RECV_BUFFER: usize = 64 * 1024;
@@ -115,30 +115,25 @@ enum ReplyKind {
 /// could not find the next message); a flow that does not decode is reported per message.
 fn parse_replies(buf: &[u8]) -> Result<Vec<Reply>, String> {
     let mut out = Vec::new();
-    let mut off = 0;
-    while off < buf.len() {
-        let rest = &buf[off..];
-        let nl = NetlinkBuffer::new_checked(rest).map_err(|e| format!("at byte {off}: {e}"))?;
-        let len = nl.length() as usize;
-        let (seq, flags, msg_type) = (nl.sequence_number(), nl.flags(), nl.message_type());
-        let payload = nl.payload();
-        let kind = match msg_type {
-            NLMSG_ERROR | NLMSG_DONE => match payload.get(..4) {
-                Some(code) => match i32::from_ne_bytes([code[0], code[1], code[2], code[3]]) {
-                    0 if msg_type == NLMSG_DONE => ReplyKind::Done,
-                    0 => ReplyKind::Ack,
-                    code => ReplyKind::Nack(code),
-                },
+    for m in netlink::messages(buf) {
+        let m = m.map_err(|e| e.to_string())?;
+        let kind = match m.msg_type {
+            NLMSG_ERROR | NLMSG_DONE => match netlink::read_i32(m.payload, 0) {
+                Some(0) if m.msg_type == NLMSG_DONE => ReplyKind::Done,
+                Some(0) => ReplyKind::Ack,
+                Some(code) => ReplyKind::Nack(code),
                 // The kernel may send an empty NLMSG_DONE.
-                None if msg_type == NLMSG_DONE => ReplyKind::Done,
-                None => return Err(format!("at byte {off}: NLMSG_ERROR without an error code")),
+                None if m.msg_type == NLMSG_DONE => ReplyKind::Done,
+                None => return Err("NLMSG_ERROR without an error code".to_string()),
             },
-            t if t >> 8 == NFNL_SUBSYS_CTNETLINK => ReplyKind::Flow(decode_flow(&rest[..len])),
+            t if t >> 8 == NFNL_SUBSYS_CTNETLINK => ReplyKind::Flow(decode_flow(m.bytes)),
             _ => ReplyKind::Other,
         };
-        out.push(Reply { seq, flags, kind });
-        // Messages are 4-byte aligned within a datagram.
-        off += len.div_ceil(4) * 4;
+        out.push(Reply {
+            seq: m.seq,
+            flags: m.flags,
+            kind,
+        });
     }
     Ok(out)
 }
@@ -266,39 +261,18 @@ impl Netlink {
     }
 
     fn send(&self, bytes: &[u8], what: &str) -> Result<(), Error> {
-        let send_error = |source| Error::Send {
+        netlink::send(&self.socket, bytes).map_err(|source| Error::Send {
             what: what.to_string(),
             source,
-        };
-        loop {
-            match self.socket.send(bytes, 0) {
-                Ok(n) if n == bytes.len() => return Ok(()),
-                Ok(n) => {
-                    return Err(send_error(io::Error::other(format!(
-                        "short send: {n} of {} bytes",
-                        bytes.len()
-                    ))));
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(send_error(e)),
-            }
-        }
+        })
     }
 
     /// Receives one datagram and splits it into messages.
     fn recv(&mut self, what: &str) -> Result<Vec<Reply>, Error> {
-        let n = loop {
-            match self.socket.recv(&mut &mut self.buf[..], 0) {
-                Ok(n) => break n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(source) => {
-                    return Err(Error::Recv {
-                        what: what.to_string(),
-                        source,
-                    });
-                }
-            }
-        };
+        let n = netlink::recv(&self.socket, &mut self.buf, 0).map_err(|source| Error::Recv {
+            what: what.to_string(),
+            source,
+        })?;
         let data = self.buf.get(..n).ok_or_else(|| Error::Decode {
             what: what.to_string(),
             detail: format!("datagram of {n} bytes truncated to {}", self.buf.len()),
