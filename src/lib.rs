@@ -5,6 +5,8 @@
 //! - [`model`]: Services + EndpointSlices + Node → per-family service ports and endpoint sets,
 //!   exactly as upstream's change trackers and `CategorizeEndpoints` compute them.
 //! - [`config`]: `KubeProxyConfiguration` (v1alpha1) and upstream's flags with their precedence.
+//! - [`exec`]: runs the node's tools (`iptables-restore`, `ip`, `ipset`, `nft`) with optional
+//!   stdin, for every backend.
 //! - [`iptables`]: the pure `iptables-restore` renderer and the packet tracer over its output.
 //! - [`netlink`]: netlink message framing (building, splitting, attributes, error replies)
 //!   shared by the IPVS, nftables and conntrack edges.
@@ -16,6 +18,7 @@ pub mod app;
 pub mod config;
 pub mod conntrack;
 pub mod daemon;
+pub mod exec;
 pub mod healthz;
 pub mod http;
 pub mod iptables;

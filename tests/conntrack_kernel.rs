@@ -5,7 +5,6 @@
 //! (see [`cannot_run`]).
 
 use std::fs;
-use std::io::Write;
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::path::Path;
 use std::time::Duration;
@@ -13,6 +12,7 @@ use std::time::Duration;
 use kube_proxy::conntrack::{
     ConntrackConfig, ConntrackTable, Flow, Netlink, UdpServices, apply_sysctls, clean_stale_entries, conntrack_max,
 };
+use kube_proxy::exec;
 use kube_proxy::model::IpFamily;
 use nix::errno::Errno;
 use nix::sched::{CloneFlags, unshare};
@@ -57,31 +57,9 @@ fn in_new_netns<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Op
     }
 }
 
+/// Runs `cmd args` (with `stdin`), which must succeed; its stdout.
 fn run(cmd: &str, args: &[&str], stdin: Option<&str>) -> String {
-    use std::process::{Command, Stdio};
-    let mut child = Command::new(cmd)
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("{cmd}: {e}"));
-    if let Some(input) = stdin {
-        child
-            .stdin
-            .take()
-            .expect("stdin")
-            .write_all(input.as_bytes())
-            .expect("write stdin");
-    }
-    drop(child.stdin.take());
-    let out = child.wait_with_output().expect("wait");
-    assert!(
-        out.status.success(),
-        "{cmd} {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    exec::run(cmd, args, stdin).unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn ip(s: &str) -> IpAddr {
