@@ -6,7 +6,11 @@
 //!   exactly as upstream's change trackers and `CategorizeEndpoints` compute them.
 //! - [`config`]: `KubeProxyConfiguration` (v1alpha1) and upstream's flags with their precedence.
 //! - [`cli`]: the binary's command line (upstream's flags, daemon flags, subcommands) for clap.
+//! - [`exec`]: runs the node's tools (`iptables-restore`, `ip`, `ipset`, `nft`) with optional
+//!   stdin, for every backend.
 //! - [`iptables`]: the pure `iptables-restore` renderer and the packet tracer over its output.
+//! - [`netlink`]: netlink message framing (building, splitting, attributes, error replies)
+//!   shared by the IPVS, nftables and conntrack edges.
 //! - [`vm`]: a throw-away VM with a kernel that has IPVS, for the VM tests and for
 //!   `kube-proxy lab --proxy-mode=ipvs` on a kernel without it.
 #![forbid(unsafe_code)]
@@ -16,6 +20,7 @@ pub mod cli;
 pub mod config;
 pub mod conntrack;
 pub mod daemon;
+pub mod exec;
 pub mod healthz;
 pub mod http;
 pub mod iptables;
@@ -25,6 +30,7 @@ pub mod logging;
 pub mod manifest;
 pub mod metrics;
 pub mod model;
+pub mod netlink;
 pub mod nftables;
 pub mod proxy;
 pub mod source;

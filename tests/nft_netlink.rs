@@ -17,12 +17,12 @@ use std::time::Instant;
 
 use common::netns::{fresh_netns, in_netns};
 use common::{nft_family, nft_options, numbered};
-use kube_proxy::proxy::RenderOptions;
 use kube_proxy::lab::netns::Netns;
 use kube_proxy::model::{IpFamily, Protocol, ProxyState};
 use kube_proxy::nftables::ast::*;
 use kube_proxy::nftables::netlink::{AnonSetNames, NetlinkError, NftSocket, encode_with};
 use kube_proxy::nftables::render::render_tx;
+use kube_proxy::proxy::RenderOptions;
 use shapes::*;
 
 // The transactions that use every shape of the ast are in tests/support/nft_shapes.rs.

@@ -7,10 +7,10 @@ mod common;
 
 use common::netns::fresh_netns;
 use common::{family_name, nft_family, nft_options, numbered};
-use kube_proxy::proxy::RenderOptions;
 use kube_proxy::lab::netns::Netns;
 use kube_proxy::model::{IpFamily, ProxyState};
 use kube_proxy::nftables::{render, render_transaction};
+use kube_proxy::proxy::RenderOptions;
 
 /// Every (scenario, family, state, options) to render: the families a scenario has service
 /// ports in (IPv4 when it has none).

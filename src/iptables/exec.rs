@@ -1,9 +1,9 @@
 //! The edge to the kernel for the iptables dataplane: `iptables-restore`, `iptables-save` and
 //! `iptables` executed directly (never through a shell), behind a trait with a recording fake.
 
-use std::io::Write;
 use std::process::{Command, Stdio};
 
+use crate::exec;
 use crate::model::IpFamily;
 
 /// Failures of the iptables tools. The caller logs them, keeps the previous rules, and retries
@@ -27,6 +27,26 @@ pub enum ExecError {
         /// For `iptables-restore`: the offending line of the input and its neighbours.
         context: String,
     },
+}
+
+impl From<exec::Error> for ExecError {
+    fn from(e: exec::Error) -> ExecError {
+        match e {
+            exec::Error::Spawn { program, source } => ExecError::Spawn { program, source },
+            exec::Error::Failed {
+                program,
+                args,
+                status,
+                stderr,
+            } => ExecError::Failed {
+                program,
+                args: args.join(" "),
+                status: status.to_string(),
+                stderr,
+                context: String::new(),
+            },
+        }
+    }
 }
 
 /// The iptables operations the proxier needs, for one IP family.
@@ -92,33 +112,21 @@ impl Exec {
     }
 
     fn save_args(&self, args: Vec<String>) -> Result<String, ExecError> {
-        let program = self.tool("-save");
-        let (status, stdout, stderr) = output(&program, &args, None)?;
-        if status.success() {
-            Ok(stdout)
-        } else {
-            Err(ExecError::Failed {
-                program,
-                args: args.join(" "),
-                status: status.to_string(),
-                stderr,
-                context: String::new(),
-            })
-        }
+        Ok(exec::run(&self.tool("-save"), &args, None)?)
     }
 
     fn restore_args(&self, args: Vec<String>, input: &str) -> Result<(), ExecError> {
         let program = self.tool("-restore");
-        let (status, _, stderr) = output(&program, &args, Some(input))?;
-        if status.success() {
+        let out = exec::output(&program, &args, Some(input))?;
+        if out.status.success() {
             return Ok(());
         }
         Err(ExecError::Failed {
-            context: restore_error_context(&stderr, input),
+            context: restore_error_context(&out.stderr, input),
             program,
             args: args.join(" "),
-            status: status.to_string(),
-            stderr,
+            status: out.status.to_string(),
+            stderr: out.stderr,
         })
     }
 
@@ -132,34 +140,6 @@ impl Exec {
             .status()
             .is_ok_and(|s| s.success())
     }
-}
-
-fn output(
-    program: &str,
-    args: &[String],
-    stdin: Option<&str>,
-) -> Result<(std::process::ExitStatus, String, String), ExecError> {
-    let spawn_err = |source| ExecError::Spawn {
-        program: program.to_string(),
-        source,
-    };
-    let mut child = Command::new(program)
-        .args(args)
-        .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(spawn_err)?;
-    if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
-        // A tool that dies early closes the pipe; its exit status tells the real story.
-        let _ = pipe.write_all(input.as_bytes());
-    }
-    let out = child.wait_with_output().map_err(spawn_err)?;
-    Ok((
-        out.status,
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).trim().to_string(),
-    ))
 }
 
 /// The input lines around the line `iptables-restore` complained about ("line N failed").
@@ -212,15 +192,13 @@ impl Iptables for Exec {
     fn chain_exists(&mut self, table: &str, chain: &str) -> Result<bool, ExecError> {
         let program = self.tool("");
         let args: Vec<String> = ["-w", "-t", table, "-S", chain].iter().map(|s| s.to_string()).collect();
-        let (status, _, _) = output(&program, &args, None)?;
-        Ok(status.success())
+        Ok(exec::output(&program, &args, None)?.status.success())
     }
     fn rule_exists(&mut self, table: &str, chain: &str, args: &[String]) -> Result<bool, ExecError> {
         let program = self.tool("");
         let mut full: Vec<String> = ["-w", "-t", table, "-C", chain].iter().map(|s| s.to_string()).collect();
         full.extend(args.iter().cloned());
-        let (status, _, _) = output(&program, &full, None)?;
-        Ok(status.success())
+        Ok(exec::output(&program, &full, None)?.status.success())
     }
 
     fn run(&mut self, table: &str, op: &[&str], args: &[String]) -> Result<String, ExecError> {
@@ -228,18 +206,7 @@ impl Iptables for Exec {
         let mut full: Vec<String> = vec!["-w".into(), "-t".into(), table.into()];
         full.extend(op.iter().map(|s| s.to_string()));
         full.extend(args.iter().cloned());
-        let (status, stdout, stderr) = output(&program, &full, None)?;
-        if status.success() {
-            Ok(stdout)
-        } else {
-            Err(ExecError::Failed {
-                program,
-                args: full.join(" "),
-                status: status.to_string(),
-                stderr,
-                context: String::new(),
-            })
-        }
+        Ok(exec::run(&program, &full, None)?)
     }
 }
 

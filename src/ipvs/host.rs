@@ -7,9 +7,9 @@
 //! never reaches the host's.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::Write;
 use std::net::IpAddr;
-use std::process::{Command, Stdio};
+
+use crate::exec;
 
 /// Failures of the host tools; the proxier reports them and retries with a full sync.
 #[derive(Debug, thiserror::Error)]
@@ -70,29 +70,18 @@ pub trait IpvsHost {
 pub struct HostExec;
 
 fn run(program: &str, args: &[&str], stdin: Option<&str>) -> Result<String, HostError> {
-    let spawn_err = |source| HostError::Spawn {
-        program: program.to_string(),
-        source,
-    };
-    let mut child = Command::new(program)
-        .args(args)
-        .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(spawn_err)?;
-    if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
-        // A tool that exits early closes the pipe; its status tells what happened.
-        let _ = pipe.write_all(input.as_bytes());
-    }
-    let out = child.wait_with_output().map_err(spawn_err)?;
-    if out.status.success() {
-        return Ok(String::from_utf8_lossy(&out.stdout).into_owned());
-    }
-    Err(HostError::Failed {
-        command: format!("{program} {}", args.join(" ")),
-        status: out.status.to_string(),
-        stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+    exec::run(program, args, stdin).map_err(|e| match e {
+        exec::Error::Spawn { program, source } => HostError::Spawn { program, source },
+        exec::Error::Failed {
+            program,
+            args,
+            status,
+            stderr,
+        } => HostError::Failed {
+            command: format!("{program} {}", args.join(" ")),
+            status: status.to_string(),
+            stderr,
+        },
     })
 }
 

@@ -15,8 +15,6 @@
 //! would hold the nftables mutex for minutes at 40k Services.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::io::Write;
-use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -26,6 +24,7 @@ use super::readback::{self, NftObject};
 use super::render::ServiceRenderer;
 use super::ruleset::Ruleset;
 use crate::config::ProxyMode;
+use crate::exec;
 use crate::model::{IpFamily, Protocol, ProxyState, ServicePort, ServicePortName, ServicePortState};
 use crate::proxy::{
     Programmed, ProgrammedSection, Proxier, ReadBackError, RenderOptions, SyncContext, SyncError, SyncReport,
@@ -79,16 +78,11 @@ impl NftBackend for NftCommand {
     fn table_exists(&mut self, family: IpFamily) -> Result<bool, NftError> {
         // `list tables` prints names only; `list table` would print every rule (seconds at
         // 10k Services).
-        let out = Command::new("nft")
-            .args(["list", "tables", family_keyword(family)])
-            .stderr(Stdio::null())
-            .output()
-            .map_err(|e| NftError(format!("running nft: {e}")))?;
-        if !out.status.success() {
-            return Err(NftError(format!("nft list tables exited with {}", out.status)));
-        }
+        let out = nft(&["list", "tables", family_keyword(family)], None, |status, _| {
+            format!("nft list tables exited with {status}")
+        })?;
         let wanted = format!("table {} {TABLE}", family_keyword(family));
-        Ok(String::from_utf8_lossy(&out.stdout).lines().any(|l| l.trim() == wanted))
+        Ok(out.lines().any(|l| l.trim() == wanted))
     }
 }
 
@@ -184,48 +178,38 @@ impl NftBackend for RecordingBackend {
 
 /// `nft list chain|map FAMILY kube-proxy NAME`; `None` when it does not exist.
 pub fn nft_list(family: IpFamily, object: &NftObject) -> Result<Option<String>, NftError> {
-    let out = Command::new("nft")
-        .args(["list", object.kind(), family_keyword(family), TABLE, object.name()])
-        .output()
-        .map_err(|e| NftError(format!("running nft: {e}")))?;
-    if out.status.success() {
-        return Ok(Some(String::from_utf8_lossy(&out.stdout).into_owned()));
-    }
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    if stderr.contains("No such file or directory") {
-        Ok(None)
-    } else {
-        Err(NftError(format!(
+    let args = ["list", object.kind(), family_keyword(family), TABLE, object.name()];
+    match exec::run("nft", &args, None) {
+        Ok(listing) => Ok(Some(listing)),
+        Err(exec::Error::Failed { stderr, .. }) if stderr.contains("No such file or directory") => Ok(None),
+        Err(exec::Error::Failed { stderr, .. }) => Err(NftError(format!(
             "nft list {} {}: {}",
             object.kind(),
             object.name(),
             stderr.trim()
-        )))
+        ))),
+        Err(exec::Error::Spawn { source, .. }) => Err(NftError(format!("running nft: {source}"))),
     }
 }
 
 /// Runs `nft -f -` with `input` on stdin.
 pub fn nft_apply(input: &str) -> Result<(), NftError> {
-    let err = |e: std::io::Error| NftError(format!("running nft: {e}"));
-    let mut child = Command::new("nft")
-        .args(["-f", "-"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(err)?;
-    if let Some(mut stdin) = child.stdin.take() {
-        let _ = stdin.write_all(input.as_bytes());
-    }
-    let out = child.wait_with_output().map_err(err)?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(NftError(format!(
-            "nft -f - failed: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        )))
-    }
+    nft(&["-f", "-"], Some(input), |_, stderr| {
+        format!("nft -f - failed: {stderr}")
+    })
+    .map(drop)
+}
+
+/// Runs `nft ARGS` and returns its stdout; `failed` says what its exit status and stderr mean.
+fn nft(
+    args: &[&str],
+    stdin: Option<&str>,
+    failed: impl FnOnce(std::process::ExitStatus, &str) -> String,
+) -> Result<String, NftError> {
+    exec::run("nft", args, stdin).map_err(|e| match e {
+        exec::Error::Spawn { source, .. } => NftError(format!("running nft: {source}")),
+        exec::Error::Failed { status, stderr, .. } => NftError(failed(status, &stderr)),
+    })
 }
 
 /// Whether the family's table exists (our canary: someone may delete it).

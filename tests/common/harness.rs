@@ -18,6 +18,10 @@
 //!
 //! In such a file `#[test]` compiles the function out; a test function left out of `main!` is
 //! unused code, which the compiler warns about.
+//!
+//! A condition only the test itself can see (a host value it cannot change) ends it with
+//! [`skip`], reported the same way. With `KUBE_PROXY_TESTS_REQUIRE_ALL=1` (as `.ci/run` sets
+//! it: CI has every package and runs as root) an unmet requirement or a skip is a failure.
 
 use std::path::Path;
 use std::process::ExitCode;
@@ -49,20 +53,48 @@ pub enum Requirement {
 pub enum KernelFeature {
     /// IP Virtual Server, the `ip_vs` module.
     Ipvs,
+    /// Connection tracking, the `nf_conntrack` module.
+    Conntrack,
+    /// IPv6.
+    Ipv6,
 }
 
 impl KernelFeature {
     pub fn present(self) -> bool {
+        Path::new(self.path()).exists()
+    }
+
+    fn path(self) -> &'static str {
         match self {
-            KernelFeature::Ipvs => Path::new("/proc/net/ip_vs").exists(),
+            KernelFeature::Ipvs => "/proc/net/ip_vs",
+            KernelFeature::Conntrack => "/proc/sys/net/netfilter/nf_conntrack_max",
+            KernelFeature::Ipv6 => "/proc/net/if_inet6",
         }
     }
 
-    fn describe(self) -> &'static str {
-        match self {
-            KernelFeature::Ipvs => "IPVS (/proc/net/ip_vs)",
-        }
+    fn describe(self) -> String {
+        let name = match self {
+            KernelFeature::Ipvs => "IPVS",
+            KernelFeature::Conntrack => "connection tracking",
+            KernelFeature::Ipv6 => "IPv6",
+        };
+        format!("{name} ({})", self.path())
     }
+}
+
+/// What a test that ends itself with [`skip`] panics with.
+struct Skipped(String);
+
+/// Ends the running test as skipped, for `reason` (a condition of this host that the test
+/// cannot create); the summary reports it as ignored, with the reason.
+#[allow(dead_code)]
+pub fn skip(reason: impl Into<String>) -> ! {
+    std::panic::panic_any(Skipped(reason.into()))
+}
+
+/// Whether every test must run here (CI): then an unmet requirement is a failure.
+fn require_all() -> bool {
+    std::env::var("KUBE_PROXY_TESTS_REQUIRE_ALL").is_ok_and(|v| v == "1")
 }
 
 impl Requirement {
@@ -122,11 +154,23 @@ impl Test {
     /// have been (a test before it may have loaded a module).
     fn into_trial(self) -> Trial {
         let Test { name, needs, body } = self;
-        Trial::ignorable_test(name, move || match unmet(&needs) {
-            Some(reason) => Ok(Completion::ignored_with(reason)),
-            None => {
-                body();
-                Ok(Completion::Completed)
+        Trial::ignorable_test(name, move || {
+            let ignored = |reason: String| {
+                if require_all() {
+                    Err(format!("{reason}, and KUBE_PROXY_TESTS_REQUIRE_ALL=1 says every test must run").into())
+                } else {
+                    Ok(Completion::ignored_with(reason))
+                }
+            };
+            if let Some(reason) = unmet(&needs) {
+                return ignored(reason);
+            }
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)) {
+                Ok(()) => Ok(Completion::Completed),
+                Err(payload) => match payload.downcast::<Skipped>() {
+                    Ok(skipped) => ignored(skipped.0),
+                    Err(panic) => std::panic::resume_unwind(panic),
+                },
             }
         })
     }

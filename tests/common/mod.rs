@@ -12,8 +12,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use kube_proxy::config::LocalDetector;
-use kube_proxy::proxy::RenderOptions;
 use kube_proxy::model::{IpFamily, NodeInfo, ProxyState, build_state};
+use kube_proxy::proxy::RenderOptions;
 
 pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

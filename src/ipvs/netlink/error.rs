@@ -9,24 +9,7 @@ use nix::errno::Errno;
 
 use super::types::{ServiceKey, Timeouts};
 
-/// A kernel message this module cannot read.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum DecodeError {
-    #[error("{0} truncated")]
-    Truncated(&'static str),
-    #[error("attribute {0} missing")]
-    Missing(&'static str),
-    #[error("attribute {attr} has {len} bytes")]
-    Length { attr: &'static str, len: usize },
-    #[error("attribute {0} is not UTF-8")]
-    NotUtf8(&'static str),
-    #[error("unknown address family {0}")]
-    Family(u16),
-    #[error("unknown protocol {0}")]
-    Protocol(u16),
-    #[error("unexpected reply: netlink type {msg_type:#x}, command {cmd}")]
-    Unexpected { msg_type: u16, cmd: u8 },
-}
+pub use crate::netlink::DecodeError;
 
 /// An IPVS operation and what it was about; errors print it first.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -22,6 +22,8 @@ use super::message::*;
 use super::types::*;
 use super::wire::*;
 use crate::model::{IpFamily, Protocol};
+use crate::netlink::testing::hex;
+use crate::netlink::{Attrs, NLA_TYPE_MASK, NLM_F_MULTI, NLMSG_HDRLEN, read_u16, read_u32, split_messages};
 
 /// CTRL_CMD_GETFAMILY "IPVS".
 const GET_FAMILY: &[&str] = &["20000000100005008c9e0d6b8500c04403010000090002004950565300000000"];
@@ -271,12 +273,6 @@ const ERR_NO_DEST: &[&str] = &[
 
 const FAMILY: u16 = 0x20;
 
-fn hex(lines: &[&str]) -> Vec<u8> {
-    data_encoding::HEXLOWER
-        .decode(lines.concat().as_bytes())
-        .expect("fixture hex")
-}
-
 /// A captured request as we send it: port id 0.
 fn sent(lines: &[&str]) -> Vec<u8> {
     let mut b = hex(lines);
@@ -337,20 +333,7 @@ const DEST_IDENTITY: (u16, &[u16]) = (
 
 /// Hex dump around the first differing byte, for a readable failure.
 fn assert_bytes(name: &str, got: &[u8], want: &[u8]) {
-    if got != want {
-        let at = got
-            .iter()
-            .zip(want)
-            .position(|(a, b)| a != b)
-            .unwrap_or(got.len().min(want.len()));
-        panic!(
-            "{name}: differs from ipvsadm's at byte {at} (ours {} bytes, ipvsadm {} bytes)\nours:     {}\nipvsadm:  {}",
-            got.len(),
-            want.len(),
-            data_encoding::HEXLOWER.encode(&got[at.saturating_sub(16)..(at + 32).min(got.len())]),
-            data_encoding::HEXLOWER.encode(&want[at.saturating_sub(16)..(at + 32).min(want.len())]),
-        );
-    }
+    crate::netlink::testing::assert_bytes(name, "ipvsadm", got, want);
 }
 
 fn ip(s: &str) -> IpAddr {

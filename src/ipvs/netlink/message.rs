@@ -15,6 +15,10 @@ use super::error::DecodeError;
 use super::types::{Forward, Info, RealServer, ServiceFlags, ServiceKey, Stats, Timeouts, VirtualServer};
 use super::wire::*;
 use crate::model::{IpFamily, Protocol};
+use crate::netlink::{
+    Attrs, MsgBuf, NLM_F_ACK, NLM_F_DUMP, NLM_F_DUMP_INTR, NLM_F_REQUEST, NLMSG_DONE, NLMSG_ERROR, read_i32, read_u32,
+    split_messages,
+};
 
 /// A request to the IPVS family.
 #[derive(Clone, Copy, Debug)]
@@ -43,7 +47,7 @@ impl Request<'_> {
 
 /// `CTRL_CMD_GETFAMILY` for "IPVS": asks the generic-netlink controller for the family's id.
 pub fn encode_get_family(seq: u32) -> Vec<u8> {
-    let mut b = MsgBuf::new(
+    let mut b = genl_msg(
         GENL_ID_CTRL,
         NLM_F_REQUEST | NLM_F_ACK,
         seq,
@@ -51,7 +55,7 @@ pub fn encode_get_family(seq: u32) -> Vec<u8> {
         CTRL_VERSION,
     );
     b.put_str(CTRL_ATTR_FAMILY_NAME, IPVS_GENL_NAME);
-    b.finish()
+    finish(b)
 }
 
 /// The bytes of `req` for the IPVS family with id `family` (from [`decode_family`]).
@@ -72,7 +76,7 @@ pub fn encode(req: &Request<'_>, family: u16, seq: u32) -> Vec<u8> {
     };
     // Every request asks for an acknowledgement, so that success is a reply too; a dump ends
     // with NLMSG_DONE instead.
-    let mut b = MsgBuf::new(family, NLM_F_REQUEST | NLM_F_ACK | flags, seq, cmd, IPVS_GENL_VERSION);
+    let mut b = genl_msg(family, NLM_F_REQUEST | NLM_F_ACK | flags, seq, cmd, IPVS_GENL_VERSION);
     match req {
         Request::GetInfo | Request::GetConfig | Request::Flush | Request::DumpServices => {}
         Request::SetConfig(t) => {
@@ -88,12 +92,12 @@ pub fn encode(req: &Request<'_>, family: u16, seq: u32) -> Vec<u8> {
         }
         Request::DelDest(s, d) => {
             put_service_key(&mut b, s);
-            b.nest(IPVS_CMD_ATTR_DEST);
+            let n = b.nest_start(IPVS_CMD_ATTR_DEST);
             put_dest_key(&mut b, d);
-            b.end_nest();
+            b.nest_end(n);
         }
     }
-    b.finish()
+    finish(b)
 }
 
 fn af(family: IpFamily) -> u16 {
@@ -143,15 +147,15 @@ fn put_identity(b: &mut MsgBuf, s: &VirtualServer) {
 }
 
 fn put_service_key(b: &mut MsgBuf, s: &VirtualServer) {
-    b.nest(IPVS_CMD_ATTR_SERVICE);
+    let n = b.nest_start(IPVS_CMD_ATTR_SERVICE);
     put_identity(b, s);
-    b.end_nest();
+    b.nest_end(n);
 }
 
 /// The whole service, as `NEW_SERVICE` / `SET_SERVICE` need it (the kernel wants scheduler,
 /// flags, timeout and netmask all present).
 fn put_service(b: &mut MsgBuf, s: &VirtualServer) {
-    b.nest(IPVS_CMD_ATTR_SERVICE);
+    let n = b.nest_start(IPVS_CMD_ATTR_SERVICE);
     put_identity(b, s);
     b.put_str(IPVS_SVC_ATTR_SCHED_NAME, &s.scheduler);
     let mut flags = s.flags.0 & !(IP_VS_SVC_F_PERSISTENT | IP_VS_SVC_F_HASHED);
@@ -166,7 +170,7 @@ fn put_service(b: &mut MsgBuf, s: &VirtualServer) {
     b.put(IPVS_SVC_ATTR_FLAGS, &fl);
     b.put_u32(IPVS_SVC_ATTR_TIMEOUT, s.persistent_timeout.unwrap_or(0));
     b.put(IPVS_SVC_ATTR_NETMASK, &netmask_bytes(s.family(), s.netmask));
-    b.end_nest();
+    b.nest_end(n);
 }
 
 fn put_dest_key(b: &mut MsgBuf, d: &RealServer) {
@@ -176,7 +180,7 @@ fn put_dest_key(b: &mut MsgBuf, d: &RealServer) {
 }
 
 fn put_dest(b: &mut MsgBuf, d: &RealServer) {
-    b.nest(IPVS_CMD_ATTR_DEST);
+    let n = b.nest_start(IPVS_CMD_ATTR_DEST);
     put_dest_key(b, d);
     b.put_u32(IPVS_DEST_ATTR_FWD_METHOD, d.forward.to_raw());
     b.put_u32(IPVS_DEST_ATTR_WEIGHT, d.weight);
@@ -187,7 +191,7 @@ fn put_dest(b: &mut MsgBuf, d: &RealServer) {
     b.put_u16(IPVS_DEST_ATTR_TUN_FLAGS, 0);
     b.put_u32(IPVS_DEST_ATTR_U_THRESH, d.upper_threshold);
     b.put_u32(IPVS_DEST_ATTR_L_THRESH, d.lower_threshold);
-    b.end_nest();
+    b.nest_end(n);
 }
 
 /// One message of a reply.
@@ -216,11 +220,18 @@ pub fn parse_replies(data: &[u8]) -> Result<Vec<Reply<'_>>, DecodeError> {
     split_messages(data)?
         .into_iter()
         .map(|m| match m.msg_type {
-            NLMSG_ERROR => parse_error(m),
+            NLMSG_ERROR => {
+                let e = crate::netlink::parse_error(&m)?;
+                Ok(Reply::Error {
+                    seq: e.seq,
+                    errno: e.errno,
+                    message: e.message,
+                })
+            }
             NLMSG_DONE => Ok(Reply::Done {
                 seq: m.seq,
                 // Some kernels send DONE with no payload at all.
-                errno: m.payload.get(..4).map(read_i32).unwrap_or(0),
+                errno: read_i32(m.payload, 0).unwrap_or(0),
             }),
             msg_type => Ok(Reply::Data {
                 seq: m.seq,
@@ -230,40 +241,6 @@ pub fn parse_replies(data: &[u8]) -> Result<Vec<Reply<'_>>, DecodeError> {
             }),
         })
         .collect()
-}
-
-fn read_i32(b: &[u8]) -> i32 {
-    b.try_into().map(i32::from_ne_bytes).unwrap_or(0)
-}
-
-/// `struct nlmsgerr` (the errno, the request's header, its payload unless capped), then the
-/// extack attributes if flagged.
-fn parse_error(m: RawMsg<'_>) -> Result<Reply<'_>, DecodeError> {
-    let p = m.payload;
-    let errno = p
-        .get(..4)
-        .map(read_i32)
-        .ok_or(DecodeError::Truncated("netlink error"))?;
-    let inner_len = read_u32(p, 4).ok_or(DecodeError::Truncated("netlink error"))? as usize;
-    let seq = read_u32(p, 4 + 8).ok_or(DecodeError::Truncated("netlink error"))?;
-    let echoed = if m.flags & NLM_F_CAPPED != 0 {
-        NLMSG_HDRLEN
-    } else {
-        (inner_len + 3) & !3
-    };
-    let mut message = None;
-    if m.flags & NLM_F_ACK_TLVS != 0
-        && let Some(tlvs) = p.get(4 + echoed..)
-        && let Ok(attrs) = Attrs::parse(tlvs)
-    {
-        // The text is a courtesy: an unreadable one does not hide the errno.
-        message = attrs
-            .str(NLMSGERR_ATTR_MSG, "extack message")
-            .ok()
-            .flatten()
-            .map(str::to_string);
-    }
-    Ok(Reply::Error { seq, errno, message })
 }
 
 /// What the controller says about a family.

@@ -10,7 +10,8 @@
 //!   `ipvsadm`.
 //! - `message` (pure): requests built as ipvsadm 1.31 builds them (byte fixtures captured from
 //!   it in `fixtures`), replies decoded without trusting lengths or presence of attributes.
-//! - `wire`: netlink/genetlink framing and the kernel's constants (`linux/ip_vs.h`).
+//! - `wire`: the genetlink header and the kernel's constants (`linux/ip_vs.h`); the netlink
+//!   framing itself is [`crate::netlink`]'s.
 //! - [`IpvsHandle`] (the edge): one `NETLINK_GENERIC` socket in the caller's network namespace.
 //!   Creating it fails with [`IpvsError::NotAvailable`] when the kernel has no IPVS: IPVS mode
 //!   must then refuse to start.

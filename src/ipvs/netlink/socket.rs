@@ -15,6 +15,7 @@ use super::error::{DecodeError, IpvsError, Op};
 use super::message::{self, Family, Reply, Request};
 use super::types::{Info, RealServer, Timeouts, VirtualServer};
 use super::wire::GENL_ID_CTRL;
+use crate::netlink;
 
 /// A dump datagram is at most 32 KiB (the kernel sizes dump buffers by the reader's buffer,
 /// capped there); anything larger would come back truncated, which is detected.
@@ -149,23 +150,15 @@ impl IpvsHandle {
     /// One request/reply exchange. A dump whose parts say it was interrupted comes back as
     /// EINTR (and is retried by [`IpvsHandle::request`]).
     fn exchange(&mut self, op: &Op, bytes: &[u8], seq: u32, dump: bool) -> Result<Vec<(u16, Vec<u8>)>, IpvsError> {
-        self.discard_stale().map_err(io_err(op, "discarding stale replies"))?;
-        loop {
-            match self.socket.send(bytes, 0) {
-                Ok(n) if n == bytes.len() => break,
-                Ok(_) => {
-                    return Err(io_err(op, "sending the request")(io::Error::other("short send")));
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(io_err(op, "sending the request")(e)),
-            }
-        }
+        // Drops whatever is queued from earlier exchanges (none normally; a request abandoned
+        // midway, e.g. by a decode error, leaves the rest of its reply).
+        netlink::drain(&self.socket, &mut self.buf, |_| {}).map_err(io_err(op, "discarding stale replies"))?;
+        netlink::send(&self.socket, bytes).map_err(io_err(op, "sending the request"))?;
         let mut out = Vec::new();
         let mut interrupted = false;
         loop {
-            let n = match self.socket.recv(&mut &mut self.buf[..], nix::libc::MSG_TRUNC) {
+            let n = match netlink::recv(&self.socket, &mut self.buf, nix::libc::MSG_TRUNC) {
                 Ok(n) => n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     return Err(io_err(op, "waiting for the reply")(io::Error::new(
                         io::ErrorKind::TimedOut,
@@ -214,19 +207,6 @@ impl IpvsHandle {
                         out.push((msg_type, payload.to_vec()));
                     }
                 }
-            }
-        }
-    }
-
-    /// Drops whatever is queued from earlier exchanges (none normally; a request abandoned
-    /// midway, e.g. by a decode error, leaves the rest of its reply).
-    fn discard_stale(&mut self) -> io::Result<()> {
-        loop {
-            match self.socket.recv(&mut &mut self.buf[..], nix::libc::MSG_DONTWAIT) {
-                Ok(_) => {}
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
             }
         }
     }

@@ -10,6 +10,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use super::expr::{self, AnonRef, IFNAMSIZ, RuleRefs, addr_bytes, proto_number};
 use super::wire::*;
 use crate::model::IpFamily;
+use crate::netlink::{MsgBuf, NLM_F_ACK, NLM_F_APPEND, NLM_F_CREATE, NLM_F_REQUEST};
 use crate::nftables::ast::{
     AddrSpec, ChainDecl, ElemKey, Element, KeyType, Match, Op, Rule, SetDecl, Statement, Transaction, Verdict,
 };
@@ -174,7 +175,10 @@ pub fn encode_with(tx: &Transaction, first_seq: u32, names: &mut AnonSetNames) -
         last_msg: None,
     };
     let begin = e.b.begin_msg(
-        NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, first_seq, NFPROTO_UNSPEC, NFNL_SUBSYS_NFTABLES,
+        NFNL_MSG_BATCH_BEGIN,
+        NLM_F_REQUEST,
+        first_seq,
+        &nfgenmsg(NFPROTO_UNSPEC, NFNL_SUBSYS_NFTABLES),
     );
     e.b.end_msg(begin);
     for (i, op) in tx.ops.iter().enumerate() {
@@ -186,7 +190,10 @@ pub fn encode_with(tx: &Transaction, first_seq: u32, names: &mut AnonSetNames) -
     }
     e.seq = e.seq.wrapping_add(1);
     let end = e.b.begin_msg(
-        NFNL_MSG_BATCH_END, NLM_F_REQUEST, e.seq, NFPROTO_UNSPEC, NFNL_SUBSYS_NFTABLES,
+        NFNL_MSG_BATCH_END,
+        NLM_F_REQUEST,
+        e.seq,
+        &nfgenmsg(NFPROTO_UNSPEC, NFNL_SUBSYS_NFTABLES),
     );
     e.b.end_msg(end);
     EncodedBatch {
@@ -230,9 +237,12 @@ impl Encoder<'_> {
     fn begin(&mut self, msg: u16, flags: u16) -> usize {
         self.seq = self.seq.wrapping_add(1);
         self.op_of_message.push(self.op);
-        let start = self
-            .b
-            .begin_msg(nft_type(msg), NLM_F_REQUEST | flags, self.seq, self.nfproto, 0);
+        let start = self.b.begin_msg(
+            nft_type(msg),
+            NLM_F_REQUEST | flags,
+            self.seq,
+            &nfgenmsg(self.nfproto, 0),
+        );
         self.last_msg = Some(start);
         start
     }
@@ -250,7 +260,7 @@ impl Encoder<'_> {
                 // table either way and, without NLM_F_EXCL, leaves an existing one alone.
                 let m = self.begin(NFT_MSG_NEWTABLE, 0);
                 self.b.put_str(NFTA_TABLE_NAME, TABLE);
-                self.b.put_u32(NFTA_TABLE_FLAGS, 0);
+                self.b.put_be32(NFTA_TABLE_FLAGS, 0);
                 let u = Udata::comment(UDATA_TABLE_COMMENT, "rules for kube-proxy");
                 self.b.put(NFTA_TABLE_USERDATA, &u.buf);
                 self.b.end_msg(m);
@@ -321,7 +331,7 @@ impl Encoder<'_> {
                 // The text form has no comment on base chains either.
                 self.b.put_str(NFTA_CHAIN_TYPE, base.kind);
                 let h = self.b.nest_start(NFTA_CHAIN_HOOK);
-                self.b.put_u32(NFTA_HOOK_HOOKNUM, hook_number(base.hook));
+                self.b.put_be32(NFTA_HOOK_HOOKNUM, hook_number(base.hook));
                 self.b.put(NFTA_HOOK_PRIORITY, &base.priority.to_be_bytes());
                 self.b.nest_end(h);
             }
@@ -347,17 +357,17 @@ impl Encoder<'_> {
             // `flags dynamic,timeout`
             flags |= NFT_SET_TIMEOUT | NFT_SET_EVAL;
         }
-        self.b.put_u32(NFTA_SET_FLAGS, flags);
+        self.b.put_be32(NFTA_SET_FLAGS, flags);
         let (key_type, key_len) = key_type_len(self.family, decl.key);
-        self.b.put_u32(NFTA_SET_KEY_TYPE, key_type);
-        self.b.put_u32(NFTA_SET_KEY_LEN, key_len);
+        self.b.put_be32(NFTA_SET_KEY_TYPE, key_type);
+        self.b.put_be32(NFTA_SET_KEY_LEN, key_len);
         if decl.map {
-            self.b.put_u32(NFTA_SET_DATA_TYPE, NFT_DATA_VERDICT);
-            self.b.put_u32(NFTA_SET_DATA_LEN, 0);
+            self.b.put_be32(NFTA_SET_DATA_TYPE, NFT_DATA_VERDICT);
+            self.b.put_be32(NFTA_SET_DATA_LEN, 0);
         }
-        self.b.put_u32(NFTA_SET_ID, id);
+        self.b.put_be32(NFTA_SET_ID, id);
         if let Some(t) = decl.timeout_seconds {
-            self.b.put_u64(NFTA_SET_TIMEOUT, u64::from(t) * 1000);
+            self.b.put_be64(NFTA_SET_TIMEOUT, u64::from(t) * 1000);
         }
         // The hints nft keeps for printing: byte order of key (and data), the key's "typeof"
         // for a concatenation, whether map data are intervals, then the comment.
@@ -441,11 +451,11 @@ impl Encoder<'_> {
         if !hosts_only {
             flags |= NFT_SET_INTERVAL;
         }
-        self.b.put_u32(NFTA_SET_FLAGS, flags);
+        self.b.put_be32(NFTA_SET_FLAGS, flags);
         let (key_type, key_len) = key_type_len(self.family, KeyType::Addr);
-        self.b.put_u32(NFTA_SET_KEY_TYPE, key_type);
-        self.b.put_u32(NFTA_SET_KEY_LEN, key_len);
-        self.b.put_u32(NFTA_SET_ID, id);
+        self.b.put_be32(NFTA_SET_KEY_TYPE, key_type);
+        self.b.put_be32(NFTA_SET_KEY_LEN, key_len);
+        self.b.put_be32(NFTA_SET_ID, id);
         self.put_desc_size(size);
         let mut u = Udata::new();
         u.put_u32(UDATA_SET_KEYBYTEORDER, BYTEORDER_BIG_ENDIAN);
@@ -467,12 +477,12 @@ impl Encoder<'_> {
         self.b.put_str(NFTA_SET_TABLE, TABLE);
         self.b.put_str(NFTA_SET_NAME, &name);
         self.b
-            .put_u32(NFTA_SET_FLAGS, NFT_SET_ANONYMOUS | NFT_SET_CONSTANT | NFT_SET_MAP);
-        self.b.put_u32(NFTA_SET_KEY_TYPE, TYPE_INTEGER);
-        self.b.put_u32(NFTA_SET_KEY_LEN, 4);
-        self.b.put_u32(NFTA_SET_DATA_TYPE, NFT_DATA_VERDICT);
-        self.b.put_u32(NFTA_SET_DATA_LEN, 0);
-        self.b.put_u32(NFTA_SET_ID, id);
+            .put_be32(NFTA_SET_FLAGS, NFT_SET_ANONYMOUS | NFT_SET_CONSTANT | NFT_SET_MAP);
+        self.b.put_be32(NFTA_SET_KEY_TYPE, TYPE_INTEGER);
+        self.b.put_be32(NFTA_SET_KEY_LEN, 4);
+        self.b.put_be32(NFTA_SET_DATA_TYPE, NFT_DATA_VERDICT);
+        self.b.put_be32(NFTA_SET_DATA_LEN, 0);
+        self.b.put_be32(NFTA_SET_ID, id);
         self.put_desc_size(chains.len());
         let mut u = Udata::new();
         u.put_u32(UDATA_SET_KEYBYTEORDER, BYTEORDER_HOST_ENDIAN);
@@ -500,7 +510,7 @@ impl Encoder<'_> {
     fn put_desc_size(&mut self, size: usize) {
         let d = self.b.nest_start(NFTA_SET_DESC);
         self.b
-            .put_u32(NFTA_SET_DESC_SIZE, u32::try_from(size).unwrap_or(u32::MAX));
+            .put_be32(NFTA_SET_DESC_SIZE, u32::try_from(size).unwrap_or(u32::MAX));
         self.b.nest_end(d);
     }
 
@@ -514,7 +524,7 @@ impl Encoder<'_> {
             self.b.put_str(NFTA_SET_ELEM_LIST_TABLE, TABLE);
             self.b.put_str(NFTA_SET_ELEM_LIST_SET, set);
             if let Some(id) = set_id {
-                self.b.put_u32(NFTA_SET_ELEM_LIST_SET_ID, id);
+                self.b.put_be32(NFTA_SET_ELEM_LIST_SET_ID, id);
             }
             let list = self.b.nest_start(NFTA_SET_ELEM_LIST_ELEMENTS);
             let mut index: u16 = 0;
@@ -537,7 +547,7 @@ impl Encoder<'_> {
     fn put_element(&mut self, index: u16, e: &Elem) {
         let n = self.b.nest_start(index);
         if e.interval_end {
-            self.b.put_u32(NFTA_SET_ELEM_FLAGS, NFT_SET_ELEM_INTERVAL_END);
+            self.b.put_be32(NFTA_SET_ELEM_FLAGS, NFT_SET_ELEM_INTERVAL_END);
         }
         let k = self.b.nest_start(NFTA_SET_ELEM_KEY);
         self.b.put(NFTA_DATA_VALUE, &e.key);

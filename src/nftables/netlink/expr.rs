@@ -12,6 +12,7 @@ use ipnet::IpNet;
 
 use super::wire::*;
 use crate::model::{IpFamily, Protocol};
+use crate::netlink::MsgBuf;
 use crate::nftables::ast::{AddrSpec, Dir, Match, Rule, Statement, Verdict, VmapKey};
 
 // Payload bases.
@@ -167,8 +168,8 @@ pub fn rule_exprs(b: &mut MsgBuf, family: IpFamily, rule: &Rule, refs: &RuleRefs
         match m {
             Match::CtStateNew => {
                 expr(b, "ct", |b| {
-                    b.put_u32(NFTA_CT_KEY, NFT_CT_STATE);
-                    b.put_u32(NFTA_CT_DREG, REG_1);
+                    b.put_be32(NFTA_CT_KEY, NFT_CT_STATE);
+                    b.put_be32(NFTA_CT_DREG, REG_1);
                 });
                 // ct state is a bitmask in host byte order: nft tests the bit and compares
                 // the result with zero.
@@ -214,9 +215,9 @@ pub fn rule_exprs(b: &mut MsgBuf, family: IpFamily, rule: &Rule, refs: &RuleRefs
                     Dir::Daddr => NFTA_FIB_F_DADDR,
                 };
                 expr(b, "fib", |b| {
-                    b.put_u32(NFTA_FIB_FLAGS, flag);
-                    b.put_u32(NFTA_FIB_RESULT, NFT_FIB_RESULT_ADDRTYPE);
-                    b.put_u32(NFTA_FIB_DREG, REG_1);
+                    b.put_be32(NFTA_FIB_FLAGS, flag);
+                    b.put_be32(NFTA_FIB_RESULT, NFT_FIB_RESULT_ADDRTYPE);
+                    b.put_be32(NFTA_FIB_DREG, REG_1);
                 });
                 cmp(b, NFT_CMP_EQ, &RTN_LOCAL.to_ne_bytes());
             }
@@ -238,13 +239,13 @@ pub fn rule_exprs(b: &mut MsgBuf, family: IpFamily, rule: &Rule, refs: &RuleRefs
                 IpFamily::V6 => ICMPV6_PORT_UNREACH,
             };
             expr(b, "reject", |b| {
-                b.put_u32(NFTA_REJECT_TYPE, NFT_REJECT_ICMP_UNREACH);
+                b.put_be32(NFTA_REJECT_TYPE, NFT_REJECT_ICMP_UNREACH);
                 b.put(NFTA_REJECT_ICMP_CODE, &[code]);
             });
         }
         Statement::Verdict(v) => {
             expr(b, "immediate", |b| {
-                b.put_u32(NFTA_IMMEDIATE_DREG, REG_VERDICT);
+                b.put_be32(NFTA_IMMEDIATE_DREG, REG_VERDICT);
                 let d = b.nest_start(NFTA_IMMEDIATE_DATA);
                 verdict_data(b, v);
                 b.nest_end(d);
@@ -270,10 +271,10 @@ pub fn rule_exprs(b: &mut MsgBuf, family: IpFamily, rule: &Rule, refs: &RuleRefs
         }
         Statement::NumgenVmap(chains) => {
             expr(b, "numgen", |b| {
-                b.put_u32(NFTA_NG_DREG, REG_1);
-                b.put_u32(NFTA_NG_MODULUS, u32::try_from(chains.len()).unwrap_or(u32::MAX));
-                b.put_u32(NFTA_NG_TYPE, NFT_NG_RANDOM);
-                b.put_u32(NFTA_NG_OFFSET, 0);
+                b.put_be32(NFTA_NG_DREG, REG_1);
+                b.put_be32(NFTA_NG_MODULUS, u32::try_from(chains.len()).unwrap_or(u32::MAX));
+                b.put_be32(NFTA_NG_TYPE, NFT_NG_RANDOM);
+                b.put_be32(NFTA_NG_OFFSET, 0);
             });
             if let Some(a) = anon.next() {
                 lookup(b, Some(REG_VERDICT), &a.name, Some(a.id), false);
@@ -291,7 +292,7 @@ pub fn rule_exprs(b: &mut MsgBuf, family: IpFamily, rule: &Rule, refs: &RuleRefs
         }
         Statement::Masquerade => {
             expr(b, "masq", |b| {
-                b.put_u32(NFTA_MASQ_FLAGS, NF_NAT_RANGE_PROTO_RANDOM_FULLY)
+                b.put_be32(NFTA_MASQ_FLAGS, NF_NAT_RANGE_PROTO_RANDOM_FULLY)
             });
         }
         Statement::Dnat(to) => dnat(b, to),
@@ -300,11 +301,11 @@ pub fn rule_exprs(b: &mut MsgBuf, family: IpFamily, rule: &Rule, refs: &RuleRefs
             payload(b, REG_1, NFT_PAYLOAD_NETWORK_HEADER, offset, len);
             let id = (refs.set_id)(set);
             expr(b, "dynset", |b| {
-                b.put_u32(NFTA_DYNSET_SREG_KEY, REG_1);
-                b.put_u32(NFTA_DYNSET_OP, NFT_DYNSET_OP_UPDATE);
+                b.put_be32(NFTA_DYNSET_SREG_KEY, REG_1);
+                b.put_be32(NFTA_DYNSET_OP, NFT_DYNSET_OP_UPDATE);
                 b.put_str(NFTA_DYNSET_SET_NAME, set);
                 if let Some(id) = id {
-                    b.put_u32(NFTA_DYNSET_SET_ID, id);
+                    b.put_be32(NFTA_DYNSET_SET_ID, id);
                 }
             });
         }
@@ -342,17 +343,17 @@ fn expr(b: &mut MsgBuf, name: &str, body: impl FnOnce(&mut MsgBuf)) {
 
 fn payload(b: &mut MsgBuf, dreg: u32, base: u32, offset: u32, len: u32) {
     expr(b, "payload", |b| {
-        b.put_u32(NFTA_PAYLOAD_DREG, dreg);
-        b.put_u32(NFTA_PAYLOAD_BASE, base);
-        b.put_u32(NFTA_PAYLOAD_OFFSET, offset);
-        b.put_u32(NFTA_PAYLOAD_LEN, len);
+        b.put_be32(NFTA_PAYLOAD_DREG, dreg);
+        b.put_be32(NFTA_PAYLOAD_BASE, base);
+        b.put_be32(NFTA_PAYLOAD_OFFSET, offset);
+        b.put_be32(NFTA_PAYLOAD_LEN, len);
     });
 }
 
 fn cmp(b: &mut MsgBuf, op: u32, data: &[u8]) {
     expr(b, "cmp", |b| {
-        b.put_u32(NFTA_CMP_SREG, REG_1);
-        b.put_u32(NFTA_CMP_OP, op);
+        b.put_be32(NFTA_CMP_SREG, REG_1);
+        b.put_be32(NFTA_CMP_OP, op);
         let d = b.nest_start(NFTA_CMP_DATA);
         b.put(NFTA_DATA_VALUE, data);
         b.nest_end(d);
@@ -364,12 +365,12 @@ fn cmp(b: &mut MsgBuf, op: u32, data: &[u8]) {
 /// flag matches.
 fn bitwise(b: &mut MsgBuf, len: u32, mask: &[u8], xor: &[u8], with_op: bool) {
     expr(b, "bitwise", |b| {
-        b.put_u32(NFTA_BITWISE_SREG, REG_1);
-        b.put_u32(NFTA_BITWISE_DREG, REG_1);
+        b.put_be32(NFTA_BITWISE_SREG, REG_1);
+        b.put_be32(NFTA_BITWISE_DREG, REG_1);
         if with_op {
-            b.put_u32(NFTA_BITWISE_OP, NFT_BITWISE_BOOL);
+            b.put_be32(NFTA_BITWISE_OP, NFT_BITWISE_BOOL);
         }
-        b.put_u32(NFTA_BITWISE_LEN, len);
+        b.put_be32(NFTA_BITWISE_LEN, len);
         let m = b.nest_start(NFTA_BITWISE_MASK);
         b.put(NFTA_DATA_VALUE, mask);
         b.nest_end(m);
@@ -381,31 +382,31 @@ fn bitwise(b: &mut MsgBuf, len: u32, mask: &[u8], xor: &[u8], with_op: bool) {
 
 fn meta_load(b: &mut MsgBuf, key: u32, dreg: u32) {
     expr(b, "meta", |b| {
-        b.put_u32(NFTA_META_KEY, key);
-        b.put_u32(NFTA_META_DREG, dreg);
+        b.put_be32(NFTA_META_KEY, key);
+        b.put_be32(NFTA_META_DREG, dreg);
     });
 }
 
 fn meta_set(b: &mut MsgBuf, key: u32, sreg: u32) {
     expr(b, "meta", |b| {
-        b.put_u32(NFTA_META_KEY, key);
-        b.put_u32(NFTA_META_SREG, sreg);
+        b.put_be32(NFTA_META_KEY, key);
+        b.put_be32(NFTA_META_SREG, sreg);
     });
 }
 
 /// A set lookup of register 1; `dreg` for a map (the verdict register).
 fn lookup(b: &mut MsgBuf, dreg: Option<u32>, set: &str, set_id: Option<u32>, invert: bool) {
     expr(b, "lookup", |b| {
-        b.put_u32(NFTA_LOOKUP_SREG, REG_1);
+        b.put_be32(NFTA_LOOKUP_SREG, REG_1);
         if let Some(d) = dreg {
-            b.put_u32(NFTA_LOOKUP_DREG, d);
+            b.put_be32(NFTA_LOOKUP_DREG, d);
         }
         b.put_str(NFTA_LOOKUP_SET, set);
         if let Some(id) = set_id {
-            b.put_u32(NFTA_LOOKUP_SET_ID, id);
+            b.put_be32(NFTA_LOOKUP_SET_ID, id);
         }
         if invert {
-            b.put_u32(NFTA_LOOKUP_FLAGS, NFT_LOOKUP_F_INV);
+            b.put_be32(NFTA_LOOKUP_FLAGS, NFT_LOOKUP_F_INV);
         }
     });
 }
@@ -441,17 +442,17 @@ fn dnat(b: &mut MsgBuf, to: &SocketAddr) {
     immediate_value(b, REG_1, &addr);
     immediate_value(b, REG_2, &to.port().to_be_bytes());
     expr(b, "nat", |b| {
-        b.put_u32(NFTA_NAT_TYPE, NFT_NAT_DNAT);
-        b.put_u32(NFTA_NAT_FAMILY, u32::from(family));
-        b.put_u32(NFTA_NAT_REG_ADDR_MIN, REG_1);
-        b.put_u32(NFTA_NAT_REG_PROTO_MIN, REG_2);
-        b.put_u32(NFTA_NAT_FLAGS, NF_NAT_RANGE_PROTO_SPECIFIED);
+        b.put_be32(NFTA_NAT_TYPE, NFT_NAT_DNAT);
+        b.put_be32(NFTA_NAT_FAMILY, u32::from(family));
+        b.put_be32(NFTA_NAT_REG_ADDR_MIN, REG_1);
+        b.put_be32(NFTA_NAT_REG_PROTO_MIN, REG_2);
+        b.put_be32(NFTA_NAT_FLAGS, NF_NAT_RANGE_PROTO_SPECIFIED);
     });
 }
 
 fn immediate_value(b: &mut MsgBuf, dreg: u32, data: &[u8]) {
     expr(b, "immediate", |b| {
-        b.put_u32(NFTA_IMMEDIATE_DREG, dreg);
+        b.put_be32(NFTA_IMMEDIATE_DREG, dreg);
         let d = b.nest_start(NFTA_IMMEDIATE_DATA);
         b.put(NFTA_DATA_VALUE, data);
         b.nest_end(d);

@@ -11,23 +11,19 @@
 use ipnet::IpNet;
 
 use super::encode::{AnonSetNames, encode_with};
-use super::wire::{NFNL_MSG_BATCH_END, NLM_F_ACK};
+use super::wire::NFNL_MSG_BATCH_END;
 use crate::model::{IpFamily, Protocol};
+use crate::netlink::NLM_F_ACK;
+use crate::netlink::testing::hex;
 use crate::nftables::ast::*;
 
 fn net(s: &str) -> IpNet {
     s.parse().expect("test CIDR")
 }
 
-fn decode(lines: &[&str]) -> Vec<u8> {
-    data_encoding::HEXLOWER
-        .decode(lines.concat().as_bytes())
-        .expect("fixture hex")
-}
-
 /// nft's bytes with our two deliberate differences applied.
 fn expected(lines: &[&str]) -> Vec<u8> {
-    let mut b = decode(lines);
+    let mut b = hex(lines);
     // NLM_F_ACK on the message before NFNL_MSG_BATCH_END.
     let mut at = 0;
     let mut last = None;
@@ -62,20 +58,7 @@ fn ours(tx: &Transaction) -> Vec<u8> {
 
 /// Hex dump with the first differing offset, for a readable failure.
 fn assert_bytes(name: &str, got: &[u8], want: &[u8]) {
-    if got != want {
-        let at = got
-            .iter()
-            .zip(want)
-            .position(|(a, b)| a != b)
-            .unwrap_or(got.len().min(want.len()));
-        panic!(
-            "{name}: batch differs from nft's at byte {at} (ours {} bytes, nft {} bytes)\nours: {}\nnft:  {}",
-            got.len(),
-            want.len(),
-            data_encoding::HEXLOWER.encode(&got[at.saturating_sub(16)..(at + 48).min(got.len())]),
-            data_encoding::HEXLOWER.encode(&want[at.saturating_sub(16)..(at + 48).min(want.len())]),
-        );
-    }
+    crate::netlink::testing::assert_bytes(name, "nft", got, want);
 }
 
 fn tx(family: IpFamily, ops: Vec<Op>) -> Transaction {

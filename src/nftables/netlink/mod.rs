@@ -13,7 +13,8 @@
 //! - [`NftSocket`] (the edge): one `send` per transaction, then the kernel's verdict, with the
 //!   failing op's text, errno and extack message in [`NetlinkError`].
 //!
-//! Submodules: `wire` (netlink framing and constants), `expr` (rule expressions), `encode`
+//! Submodules: `wire` (the nfnetlink header, userdata and constants; the framing is
+//! [`crate::netlink`]'s), `expr` (rule expressions), `encode`
 //! (ops → messages, anonymous sets, validation), `socket`.
 
 mod encode;

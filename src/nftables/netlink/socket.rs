@@ -17,6 +17,7 @@ use nix::sys::socket::{setsockopt, sockopt};
 use super::encode::{self, AnonSetNames, CheckError, EncodedBatch};
 use super::wire::*;
 use crate::model::IpFamily;
+use crate::netlink::{self, MsgBuf, NLM_F_ACK, NLM_F_REQUEST, NLMSG_DONE, NLMSG_ERROR};
 use crate::nftables::ast::Transaction;
 use crate::nftables::names::TABLE;
 
@@ -281,8 +282,7 @@ impl NftSocket {
             nft_type(NFT_MSG_GETTABLE),
             NLM_F_REQUEST | NLM_F_ACK,
             seq,
-            encode::nfproto(family),
-            0,
+            &nfgenmsg(encode::nfproto(family), 0),
         );
         b.put_str(NFTA_TABLE_NAME, TABLE);
         b.end_msg(m);
@@ -312,30 +312,16 @@ impl NftSocket {
     }
 
     fn send(&self, bytes: &[u8]) -> io::Result<()> {
-        loop {
-            match self.socket.send(bytes, 0) {
-                Ok(n) if n == bytes.len() => return Ok(()),
-                Ok(n) => return Err(io::Error::other(format!("short send: {n} of {} bytes", bytes.len()))),
-                // Nothing was processed when the call was interrupted.
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(e),
-            }
-        }
+        netlink::send(&self.socket, bytes)
     }
 
     /// Reads every queued datagram without blocking, handing each message to `each`.
     fn drain(&mut self, mut each: impl FnMut(Reply)) -> io::Result<()> {
-        loop {
-            let n = match self.socket.recv(&mut &mut self.buf[..], nix::libc::MSG_DONTWAIT) {
-                Ok(n) => n.min(self.buf.len()),
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(e),
-            };
-            for reply in parse_replies(&self.buf[..n]) {
+        netlink::drain(&self.socket, &mut self.buf, |datagram| {
+            for reply in parse_replies(datagram) {
                 each(reply);
             }
-        }
+        })
     }
 }
 
@@ -354,73 +340,32 @@ pub enum Reply {
     },
 }
 
-fn u16_at(b: &[u8], at: usize) -> Option<u16> {
-    Some(u16::from_ne_bytes(b.get(at..at + 2)?.try_into().ok()?))
-}
-
-fn u32_at(b: &[u8], at: usize) -> Option<u32> {
-    Some(u32::from_ne_bytes(b.get(at..at + 4)?.try_into().ok()?))
-}
-
-/// Splits a datagram into messages; stops at the first malformed one.
+/// Splits a datagram into messages; stops at the first malformed one (and skips an error
+/// message too short to say what it answers).
 pub fn parse_replies(data: &[u8]) -> Vec<Reply> {
     let mut out = Vec::new();
-    let mut at = 0;
-    while let Some(len) = u32_at(data, at) {
-        let len = len as usize;
-        let Some(msg) = data.get(at..at + len).filter(|_| len >= NLMSG_HDRLEN) else {
-            break;
-        };
-        let (Some(msg_type), Some(flags), Some(seq)) = (u16_at(msg, 4), u16_at(msg, 6), u32_at(msg, 8)) else {
-            break;
-        };
-        if msg_type == NLMSG_ERROR {
-            if let Some(reply) = parse_error(msg, flags) {
-                out.push(reply);
+    for m in netlink::messages(data).map_while(Result::ok) {
+        match m.msg_type {
+            NLMSG_ERROR => {
+                if let Ok(e) = netlink::parse_error(&m) {
+                    out.push(Reply::Error {
+                        seq: e.seq,
+                        errno: e.errno,
+                        message: e.message,
+                    });
+                }
             }
-        } else if msg_type != NLMSG_DONE {
-            out.push(Reply::Other { seq, msg_type });
+            NLMSG_DONE => {}
+            msg_type => out.push(Reply::Other { seq: m.seq, msg_type }),
         }
-        at += (len + 3) & !3;
     }
     out
-}
-
-/// `struct nlmsgerr` (error code, the request's header, its payload unless capped) and the
-/// extack TLVs after it.
-fn parse_error(msg: &[u8], flags: u16) -> Option<Reply> {
-    let errno = i32::from_ne_bytes(msg.get(NLMSG_HDRLEN..NLMSG_HDRLEN + 4)?.try_into().ok()?);
-    let inner = NLMSG_HDRLEN + 4;
-    let seq = u32_at(msg, inner + 8)?;
-    let inner_len = if flags & NLM_F_CAPPED != 0 {
-        NLMSG_HDRLEN
-    } else {
-        (u32_at(msg, inner)? as usize + 3) & !3
-    };
-    let mut message = None;
-    if flags & NLM_F_ACK_TLVS != 0 {
-        let mut at = inner + inner_len;
-        while let (Some(alen), Some(aty)) = (u16_at(msg, at), u16_at(msg, at + 2)) {
-            let alen = alen as usize;
-            if alen < 4 {
-                break;
-            }
-            let Some(value) = msg.get(at + 4..at + alen) else {
-                break;
-            };
-            if aty & NLA_TYPE_MASK == NLMSGERR_ATTR_MSG {
-                let text = value.split(|&c| c == 0).next().unwrap_or_default();
-                message = Some(String::from_utf8_lossy(text).into_owned());
-            }
-            at += (alen + 3) & !3;
-        }
-    }
-    Some(Reply::Error { seq, errno, message })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::netlink::{NLM_F_ACK_TLVS, NLM_F_CAPPED};
 
     #[test]
     fn parses_a_capped_error_with_extack() {

@@ -1,26 +1,8 @@
-//! The netlink wire format as nf_tables uses it: message headers (`nlmsghdr` + `nfgenmsg`),
-//! attributes with their 4-byte padding, nests, and the kernel's numeric constants (from
-//! `linux/netfilter/nf_tables.h`, `linux/netfilter/nfnetlink.h` and libnftnl's userdata TLV
-//! types). Everything here only appends bytes to a buffer; what to append is `encode`'s and
+//! The netlink wire format as nf_tables uses it: the `nfgenmsg` after `nlmsghdr`, libnftnl's
+//! userdata TLVs, and the kernel's numeric constants (from `linux/netfilter/nf_tables.h`,
+//! `linux/netfilter/nfnetlink.h` and libnftnl's userdata TLV types). The framing itself
+//! (headers, attributes, nests) is [`crate::netlink`]'s; what to append is `encode`'s and
 //! `expr`'s business.
-
-/// Netlink header flags (`linux/netlink.h`).
-pub const NLM_F_REQUEST: u16 = 0x1;
-pub const NLM_F_ACK: u16 = 0x4;
-pub const NLM_F_CREATE: u16 = 0x400;
-pub const NLM_F_APPEND: u16 = 0x800;
-/// Reply flags: the error carries TLVs (extack) / the echoed request was trimmed.
-pub const NLM_F_CAPPED: u16 = 0x100;
-pub const NLM_F_ACK_TLVS: u16 = 0x200;
-
-pub const NLMSG_ERROR: u16 = 2;
-pub const NLMSG_DONE: u16 = 3;
-pub const NLMSG_HDRLEN: usize = 16;
-/// `NLMSGERR_ATTR_MSG`: the extack text in an error reply.
-pub const NLMSGERR_ATTR_MSG: u16 = 1;
-
-pub const NLA_F_NESTED: u16 = 0x8000;
-pub const NLA_TYPE_MASK: u16 = 0x3fff;
 
 /// nfnetlink batch framing.
 pub const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
@@ -138,105 +120,11 @@ pub const UDATA_SET_ELEM_FLAGS: u8 = 1;
 /// `NFTNL_SET_ELEM_F_INTERVAL_OPEN`: the interval has no end element (it reaches the top).
 pub const SET_ELEM_F_INTERVAL_OPEN: u32 = 0x1;
 
-/// A growing buffer of netlink messages.
-#[derive(Debug, Default)]
-pub struct MsgBuf {
-    pub buf: Vec<u8>,
-}
-
-fn pad(len: usize) -> usize {
-    (len + 3) & !3
-}
-
-impl MsgBuf {
-    pub fn with_capacity(n: usize) -> MsgBuf {
-        MsgBuf {
-            buf: Vec::with_capacity(n),
-        }
-    }
-
-    pub fn len(&self) -> usize {
-        self.buf.len()
-    }
-
-    /// Starts a message: `nlmsghdr` (length filled in by [`MsgBuf::end_msg`]) and `nfgenmsg`.
-    /// Returns the message's offset.
-    pub fn begin_msg(&mut self, msg_type: u16, flags: u16, seq: u32, family: u8, res_id: u16) -> usize {
-        let start = self.buf.len();
-        self.buf.extend_from_slice(&0u32.to_ne_bytes());
-        self.buf.extend_from_slice(&msg_type.to_ne_bytes());
-        self.buf.extend_from_slice(&flags.to_ne_bytes());
-        self.buf.extend_from_slice(&seq.to_ne_bytes());
-        // Port id 0: the kernel.
-        self.buf.extend_from_slice(&0u32.to_ne_bytes());
-        self.buf.push(family);
-        // NFNETLINK_V0
-        self.buf.push(0);
-        self.buf.extend_from_slice(&res_id.to_be_bytes());
-        start
-    }
-
-    /// Fills in the length of the message started at `start`.
-    pub fn end_msg(&mut self, start: usize) {
-        let len = self.buf.len() - start;
-        // A netlink message longer than 4 GiB cannot be sent anyway; the kernel rejects the
-        // truncated length.
-        let len = u32::try_from(len).unwrap_or(u32::MAX);
-        self.buf[start..start + 4].copy_from_slice(&len.to_ne_bytes());
-    }
-
-    /// ORs `flags` into the header flags of the message at `start`.
-    pub fn add_msg_flags(&mut self, start: usize, flags: u16) {
-        let at = start + 6;
-        let old = u16::from_ne_bytes([self.buf[at], self.buf[at + 1]]);
-        self.buf[at..at + 2].copy_from_slice(&(old | flags).to_ne_bytes());
-    }
-
-    /// Appends one attribute (header, data, padding).
-    pub fn put(&mut self, ty: u16, data: &[u8]) {
-        let len = 4 + data.len();
-        self.buf
-            .extend_from_slice(&u16::try_from(len).unwrap_or(u16::MAX).to_ne_bytes());
-        self.buf.extend_from_slice(&ty.to_ne_bytes());
-        self.buf.extend_from_slice(data);
-        self.buf.resize(self.buf.len() + pad(len) - len, 0);
-    }
-
-    /// A big-endian u32 attribute (nf_tables' integers are network order on the wire).
-    pub fn put_u32(&mut self, ty: u16, v: u32) {
-        self.put(ty, &v.to_be_bytes());
-    }
-
-    pub fn put_u64(&mut self, ty: u16, v: u64) {
-        self.put(ty, &v.to_be_bytes());
-    }
-
-    /// A NUL-terminated string attribute.
-    pub fn put_str(&mut self, ty: u16, s: &str) {
-        let len = 4 + s.len() + 1;
-        self.buf
-            .extend_from_slice(&u16::try_from(len).unwrap_or(u16::MAX).to_ne_bytes());
-        self.buf.extend_from_slice(&ty.to_ne_bytes());
-        self.buf.extend_from_slice(s.as_bytes());
-        self.buf.push(0);
-        self.buf.resize(self.buf.len() + pad(len) - len, 0);
-    }
-
-    /// Starts a nested attribute (flagged `NLA_F_NESTED`, as libmnl does); returns its offset.
-    pub fn nest_start(&mut self, ty: u16) -> usize {
-        let start = self.buf.len();
-        self.buf.extend_from_slice(&0u16.to_ne_bytes());
-        self.buf.extend_from_slice(&(ty | NLA_F_NESTED).to_ne_bytes());
-        start
-    }
-
-    /// Closes the nest started at `start`. Callers keep nests under 64 KiB (element lists are
-    /// split into several messages for that); an oversized nest gets a length the kernel
-    /// rejects rather than a wrapped one.
-    pub fn nest_end(&mut self, start: usize) {
-        let len = u16::try_from(self.buf.len() - start).unwrap_or(u16::MAX);
-        self.buf[start..start + 2].copy_from_slice(&len.to_ne_bytes());
-    }
+/// `nfgenmsg`, the header after `nlmsghdr` of every nfnetlink message: the family, version
+/// `NFNETLINK_V0`, and the resource id (the subsystem, on batch messages) in network order.
+pub fn nfgenmsg(family: u8, res_id: u16) -> [u8; 4] {
+    let [hi, lo] = res_id.to_be_bytes();
+    [family, 0, hi, lo]
 }
 
 /// libnftnl's userdata: a sequence of (type u8, length u8, value) TLVs.
@@ -287,14 +175,15 @@ impl Udata {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::netlink::{MsgBuf, NLM_F_REQUEST};
 
     #[test]
     fn attributes_are_padded_and_nests_flagged() {
         let mut b = MsgBuf::default();
-        let start = b.begin_msg(nft_type(NFT_MSG_NEWTABLE), NLM_F_REQUEST, 7, NFPROTO_IPV4, 0);
+        let start = b.begin_msg(nft_type(NFT_MSG_NEWTABLE), NLM_F_REQUEST, 7, &nfgenmsg(NFPROTO_IPV4, 0));
         b.put_str(NFTA_TABLE_NAME, "ab");
         let n = b.nest_start(NFTA_CHAIN_HOOK);
-        b.put_u32(NFTA_HOOK_HOOKNUM, 1);
+        b.put_be32(NFTA_HOOK_HOOKNUM, 1);
         b.nest_end(n);
         b.end_msg(start);
         let expected: Vec<u8> = [
