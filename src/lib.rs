@@ -6,6 +6,8 @@
 //!   exactly as upstream's change trackers and `CategorizeEndpoints` compute them.
 //! - [`config`]: `KubeProxyConfiguration` (v1alpha1) and upstream's flags with their precedence.
 //! - [`iptables`]: the pure `iptables-restore` renderer and the packet tracer over its output.
+//! - [`trace`]: what `kube-proxy trace` reports in every mode (packet, paths, verdicts, errors)
+//!   and the parts of the walk the three tracers share.
 //! - [`vm`]: a throw-away VM with a kernel that has IPVS, for the VM tests and for
 //!   `kube-proxy lab --proxy-mode=ipvs` on a kernel without it.
 #![forbid(unsafe_code)]
@@ -27,4 +29,5 @@ pub mod model;
 pub mod nftables;
 pub mod proxy;
 pub mod source;
+pub mod trace;
 pub mod vm;

@@ -11,10 +11,10 @@ use tracing::{info, warn};
 
 use kube_proxy::app;
 use kube_proxy::config::{Flags, LoggingFlags, ProxyConfig, ProxyMode};
-use kube_proxy::iptables::trace::{self, Packet, TraceContext};
 use kube_proxy::manifest;
 use kube_proxy::model::{IpFamily, Protocol};
 use kube_proxy::proxy::local_addresses;
+use kube_proxy::trace::{self, Packet, TraceContext};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -921,7 +921,7 @@ fn trace_cmd(cfg: &ProxyConfig, args: TraceArgs) -> anyhow::Result<ExitCode> {
         let ctx = TraceContext {
             local_addresses: local_addresses(&fr.state),
         };
-        trace::trace(&fr.ruleset, &ctx, &packet)?
+        kube_proxy::iptables::trace::trace(&fr.ruleset, &ctx, &packet)?
     };
     match args.output {
         OutputArg::Json => println!("{}", serde_json::to_string_pretty(&result)?),
