@@ -11,6 +11,8 @@
 //! - [`iptables`]: the pure `iptables-restore` renderer and the packet tracer over its output.
 //! - [`netlink`]: netlink message framing (building, splitting, attributes, error replies)
 //!   shared by the IPVS, nftables and conntrack edges.
+//! - [`trace`]: what `kube-proxy trace` reports in every mode (packet, paths, verdicts, errors)
+//!   and the parts of the walk the three tracers share.
 //! - [`vm`]: a throw-away VM with a kernel that has IPVS, for the VM tests and for
 //!   `kube-proxy lab --proxy-mode=ipvs` on a kernel without it.
 #![forbid(unsafe_code)]
@@ -34,4 +36,5 @@ pub mod netlink;
 pub mod nftables;
 pub mod proxy;
 pub mod source;
+pub mod trace;
 pub mod vm;

@@ -14,10 +14,10 @@ use kube_proxy::cli::{
     Cli, Command, DaemonFlags, FamilyArg, LabAction, OutputArg, RenderArgs, TraceArgs, normalize_args,
 };
 use kube_proxy::config::{ProxyConfig, ProxyMode};
-use kube_proxy::iptables::trace::{self, Packet, TraceContext};
 use kube_proxy::manifest;
 use kube_proxy::model::{IpFamily, Protocol};
 use kube_proxy::proxy::local_addresses;
+use kube_proxy::trace::{self, Packet, TraceContext};
 
 fn main() -> ExitCode {
     let cli = Cli::parse_from(normalize_args(std::env::args()));
@@ -284,7 +284,7 @@ fn trace_cmd(cfg: &ProxyConfig, args: TraceArgs) -> anyhow::Result<ExitCode> {
         let ctx = TraceContext {
             local_addresses: local_addresses(&fr.state),
         };
-        trace::trace(&fr.ruleset, &ctx, &packet)?
+        kube_proxy::iptables::trace::trace(&fr.ruleset, &ctx, &packet)?
     };
     match args.output {
         OutputArg::Json => println!("{}", serde_json::to_string_pretty(&result)?),

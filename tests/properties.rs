@@ -225,7 +225,8 @@ proptest! {
     #[test]
     fn traced_cluster_ip_reaches_the_categorized_endpoints(state in state(), opts in options()) {
         use kube_proxy::proxy::local_addresses;
-        use kube_proxy::iptables::trace::{Packet, TraceContext, trace};
+        use kube_proxy::iptables::trace::trace;
+        use kube_proxy::trace::{Packet, TraceContext};
         use kube_proxy::model::categorize_endpoints;
 
         let rs = render(&state, &opts);
@@ -329,7 +330,7 @@ fn pick<T: Copy>(v: &[T], sel: u16) -> Option<T> {
 /// some loadBalancerSourceRanges, the node, an endpoint (hairpin) or loopback; destinations a
 /// cluster IP, an external IP, an LB IP, a node address or loopback (with a node port), an
 /// address in the service range, or one outside everything.
-fn packet_of(st: &ProxyState, c: &PacketChoice) -> kube_proxy::iptables::trace::Packet {
+fn packet_of(st: &ProxyState, c: &PacketChoice) -> kube_proxy::trace::Packet {
     let ports: Vec<&ServicePort> = st.service_ports.iter().map(|s| &s.port).collect();
     let svc = ports[usize::from(c.dst.1) % ports.len()];
     let ip4 = |a: u8, b: u8, c: u8, d: u8| IpAddr::V4(Ipv4Addr::new(a, b, c, d));
@@ -375,7 +376,7 @@ fn packet_of(st: &ProxyState, c: &PacketChoice) -> kube_proxy::iptables::trace::
         ),
         _ => (svc.protocol, 31000), // the health-check node port of every ETP Local service
     };
-    kube_proxy::iptables::trace::Packet {
+    kube_proxy::trace::Packet {
         src,
         dst,
         dport,
@@ -392,7 +393,7 @@ fn packet_of(st: &ProxyState, c: &PacketChoice) -> kube_proxy::iptables::trace::
 /// Destinations claimed by more than one service port: upstream's iptables rules let the
 /// first Service win, its nftables maps the last one written (conflicting configuration, not
 /// a difference in behaviour worth asserting).
-fn ambiguous(st: &ProxyState, p: &kube_proxy::iptables::trace::Packet, node_dst: bool) -> bool {
+fn ambiguous(st: &ProxyState, p: &kube_proxy::trace::Packet, node_dst: bool) -> bool {
     let claims = st
         .service_ports
         .iter()
@@ -410,8 +411,8 @@ fn ambiguous(st: &ProxyState, p: &kube_proxy::iptables::trace::Packet, node_dst:
 
 /// DNAT, REJECT, DROP or PASS: an explicit accept (iptables' health-check node ports) and no
 /// rule at all both let the packet go on unchanged.
-fn common_verdict(v: kube_proxy::iptables::trace::Verdict) -> &'static str {
-    use kube_proxy::iptables::trace::Verdict;
+fn common_verdict(v: kube_proxy::trace::Verdict) -> &'static str {
+    use kube_proxy::trace::Verdict;
     match v {
         Verdict::Accept | Verdict::Pass => "PASS",
         other => other.as_str(),
@@ -447,7 +448,8 @@ proptest! {
         choices in prop::collection::vec(packet_choice(), 1..16),
     ) {
         use kube_proxy::proxy::{NodePortAddresses, local_addresses};
-        use kube_proxy::iptables::trace::{TraceContext, trace};
+        use kube_proxy::iptables::trace::trace;
+        use kube_proxy::trace::TraceContext;
         use kube_proxy::nftables::{render::render_tx, ruleset::Ruleset, trace::trace as nft_trace};
 
         let ipt_rules = render(&state, &opts);
@@ -571,7 +573,8 @@ proptest! {
         choices in prop::collection::vec(packet_choice(), 1..16),
     ) {
         use kube_proxy::proxy::{NodePortAddresses, local_addresses};
-        use kube_proxy::iptables::trace::{TraceContext, trace};
+        use kube_proxy::iptables::trace::trace;
+        use kube_proxy::trace::TraceContext;
         use kube_proxy::ipvs::names::SetId;
         use kube_proxy::ipvs::{render::render as ipvs_render, trace::trace as ipvs_trace};
         use kube_proxy::model::categorize_endpoints;

@@ -33,12 +33,13 @@ use std::net::{IpAddr, SocketAddr};
 use ipnet::IpNet;
 
 use super::render::{IpvsDestination, IpvsRuleset, IpvsService};
+// IPVS mode programs iptables rules around IPVS: they are loaded and walked by the iptables tracer.
 use crate::iptables::Ruleset;
-use crate::iptables::trace::{
-    AfterHook, Hook, Packet, PathState, SetDim, SetLookup, SetValue, Step, Trace, TraceContext, TraceError, Tracer,
-    Verdict, VirtualService, check_family, finish, load,
-};
+use crate::iptables::trace::parse::load;
+use crate::iptables::trace::walk::{Hook, ModeState, PathState, Step, Tracer, VirtualService, finish};
 use crate::model::{IpFamily, Protocol};
+use crate::trace::walk::{AfterHook, AfterStage, HookOrder};
+use crate::trace::{Packet, SetDim, SetLookup, SetValue, Trace, TraceContext, TraceError, Verdict, check_family};
 
 /// Follows `packet` through `rs` and reports every path it can take.
 pub fn trace(rs: &IpvsRuleset, ctx: &TraceContext, packet: &Packet) -> Result<Trace, TraceError> {
@@ -51,26 +52,27 @@ pub fn trace(rs: &IpvsRuleset, ctx: &TraceContext, packet: &Packet) -> Result<Tr
     };
     let tables = load(&rules, &sets)?;
     // kube-ipvs0's addresses are the node's too: that is how IPVS gets to see their packets.
-    let mut local = ctx.local_addresses.clone();
+    let mut local = ctx.clone();
     for a in &rs.bound_addresses {
-        if !local.contains(a) {
-            local.push(*a);
+        if !local.local_addresses.contains(a) {
+            local.local_addresses.push(*a);
         }
     }
+    let from_node = local.is_local(&packet.src);
     let mut walk = Walk {
         tracer: Tracer::new(&tables, &sets, &local),
         rs,
-        from_node: false,
+        from_node,
     };
-    walk.from_node = walk.tracer.is_local(&packet.src);
-    let first = if walk.from_node {
+    let first = if from_node {
         Stage::Hook(Hook::NatOutput)
     } else {
         Stage::Hook(Hook::NatPrerouting)
     };
     let mut finished = Vec::new();
-    walk.walk(first, PathState::start(packet, walk.from_node), &mut finished)?;
-    Ok(finish(&tables, finished, walk.from_node))
+    let start = PathState::start(packet, from_node, ModeState::default());
+    walk.walk(first, start, &mut finished)?;
+    Ok(finish(&tables, finished, from_node))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -116,41 +118,20 @@ struct Walk<'a> {
     from_node: bool,
 }
 
-impl Walk<'_> {
-    /// Evaluates `stage` and every later one for one path, pushing finished paths to `out`.
-    fn walk(&mut self, stage: Stage, st: PathState, out: &mut Vec<PathState>) -> Result<(), TraceError> {
-        let after = match stage {
-            Stage::Hook(hook) => self.tracer.run_hook(hook, st)?,
-            Stage::Ipvs(hook) => self.ipvs(hook, st)?,
-        };
-        for a in after {
-            let mut s = match a {
-                AfterHook::Stopped(s) => {
-                    out.push(s);
-                    continue;
-                }
-                AfterHook::GoesOn(s) => s,
-            };
-            match self.next(stage, &s) {
-                Some(next) => {
-                    if next == Stage::Hook(Hook::FilterInput) && self.from_node {
-                        s.loop_back();
-                    }
-                    self.walk(next, s, out)?;
-                }
-                None => {
-                    s.verdict = Verdict::after_all_hooks(s.dnat.is_some(), s.accepted);
-                    out.push(s);
-                }
-            }
+impl HookOrder<'static, Step, ModeState> for Walk<'_> {
+    type Stage = Stage;
+
+    fn run_stage(&mut self, stage: Stage, st: PathState) -> Result<AfterStage<'static, Step, ModeState>, TraceError> {
+        match stage {
+            Stage::Hook(hook) => self.tracer.run_hook(hook, st),
+            Stage::Ipvs(hook) => self.ipvs(hook, st),
         }
-        Ok(())
     }
 
     /// The stage after `stage`, or `None` when the packet is delivered or sent.
-    fn next(&self, stage: Stage, st: &PathState) -> Option<Stage> {
+    fn next_stage(&self, stage: Stage, st: &mut PathState) -> Option<Stage> {
         let local_dst = self.tracer.is_local(&st.dst);
-        match stage {
+        let next = match stage {
             Stage::Hook(Hook::NatOutput) => Some(Stage::Ipvs(IpvsHook::LocalOut)),
             // Scheduled or not, the packet goes on through LOCAL_OUT.
             Stage::Ipvs(IpvsHook::LocalOut) => Some(Stage::Hook(Hook::FilterOutput)),
@@ -167,14 +148,22 @@ impl Walk<'_> {
             // IPVS NATs to a real server elsewhere by sending the packet out through LOCAL_OUT
             // (ip_vs_nat_send_or_cont); one on the node itself gets it delivered here, as
             // does a packet for no virtual server.
-            Stage::Ipvs(IpvsHook::LocalIn) if st.ipvs.is_some() && !local_dst => Some(Stage::Hook(Hook::FilterOutput)),
+            Stage::Ipvs(IpvsHook::LocalIn) if st.mode.ipvs.is_some() && !local_dst => {
+                Some(Stage::Hook(Hook::FilterOutput))
+            }
             Stage::Ipvs(IpvsHook::LocalIn) => None,
+        };
+        if next == Some(Stage::Hook(Hook::FilterInput)) && self.from_node {
+            st.loop_back();
         }
+        next
     }
+}
 
+impl Walk<'_> {
     /// IPVS's lookup and scheduling: the packet as it goes on, once per real server it can
     /// be sent to; stopped (REJECT) when its virtual server has none.
-    fn ipvs(&mut self, hook: IpvsHook, mut st: PathState) -> Result<Vec<AfterHook>, TraceError> {
+    fn ipvs(&mut self, hook: IpvsHook, mut st: PathState) -> Result<AfterStage<'static, Step, ModeState>, TraceError> {
         st.hooks.push(hook.label());
         let rs = self.rs;
         let Some(vs) = rs.virtual_server(st.protocol, st.dst, st.dport) else {
@@ -215,10 +204,8 @@ impl Walk<'_> {
             if eligible.len() > 1 {
                 s.choices.push(schedule_choice(vs, &dest, eligible.len()));
             }
-            s.dst = dest.ip();
-            s.dport = dest.port();
-            s.dnat = Some(dest);
-            s.ipvs = Some(virtual_service);
+            s.dnat_to(dest);
+            s.mode.ipvs = Some(virtual_service);
             out.push(AfterHook::GoesOn(s));
         }
         Ok(out)
@@ -539,10 +526,10 @@ impl SetLookup for Ipsets {
 mod tests {
     use super::*;
     use crate::config::LocalDetector;
-    use crate::iptables::trace::render_text;
     use crate::ipvs::render::{IpvsRenderOptions, render};
     use crate::model::{Endpoint, NodeInfo, ProxyState, ServicePort, ServicePortName, ServicePortState};
     use crate::proxy::RenderOptions;
+    use crate::trace::render_text;
 
     const NODE_IP: &str = "192.168.0.2";
 

@@ -20,82 +20,40 @@
 //! chain or set, a set of the wrong type, NAT in a chain that cannot NAT) is a
 //! [`TraceError`], never silently skipped.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 
 use super::ast::Verdict as NftVerdict;
 use super::ast::{AddrSpec, BaseHook, Dir, ElemKey, KeyType, Match, Rule, Statement, VmapKey, family_keyword};
 use super::names::TABLE;
 use super::ruleset::{Ruleset, Set};
-use crate::iptables::trace::{
-    MAX_DEPTH, MAX_PATHS, Packet, Trace, TraceContext, TraceError, TracePath, TracedRule, Verdict,
-};
+use crate::trace::walk::{self as shared, AfterHook, AfterStage, End, Forks, HookOrder, Work, nested, run_rules};
+use crate::trace::{Packet, Trace, TraceContext, TraceError, TracedRule, check_family};
 
 /// Follows `packet` through `ruleset` and reports every path it can take.
 pub fn trace(ruleset: &Ruleset, ctx: &TraceContext, packet: &Packet) -> Result<Trace, TraceError> {
-    for address in [packet.src, packet.dst] {
-        if !ruleset.family.contains(&address) {
-            return Err(TraceError::FamilyMismatch {
-                family: ruleset.family,
-                address,
-            });
-        }
-    }
+    check_family(ruleset.family, packet)?;
     let table = format!("{} {TABLE}", family_keyword(ruleset.family));
+    let from_node = ctx.is_local(&packet.src);
     let mut tracer = Tracer {
         ruleset,
         table: &table,
         ctx,
         hooks: base_chains(ruleset, &table)?,
-        forks: 1,
-    };
-    let from_node = tracer.is_local(&packet.src);
-    let start = PathState {
-        src: packet.src,
-        dst: packet.dst,
-        dport: packet.dport,
-        protocol: packet.protocol,
-        // Locally generated packets have no input interface.
-        in_interface: if from_node { None } else { packet.in_interface.clone() },
-        mark: 0,
-        dnat: None,
-        masquerade: false,
-        accepted: false,
-        affinity: BTreeMap::new(),
-        rules: Vec::new(),
-        choices: Vec::new(),
-        hooks: Vec::new(),
-        verdict: Verdict::Pass,
+        forks: Forks::new(),
+        from_node,
     };
     let first = if from_node { Stage::Output } else { Stage::Prerouting };
     let mut finished = Vec::new();
-    tracer.walk(first, start, from_node, &mut finished)?;
-
-    // Identical rule sequences are the same path reached twice; keep the first.
-    let mut seen = HashSet::new();
-    finished.retain(|p| seen.insert(p.rules.clone()));
-
-    let mut rules = Vec::new();
-    let mut paths = Vec::new();
-    for (index, p) in finished.into_iter().enumerate() {
-        for r in &p.rules {
-            rules.push(TracedRule {
-                table: table.clone(),
-                chain: r.chain.to_string(),
-                rule: r.rule.text(ruleset.family),
-                path: index,
-            });
-        }
-        paths.push(TracePath {
-            verdict: p.verdict,
-            endpoint: p.dnat.map(|a| a.to_string()),
-            masquerade: p.masquerade,
-            choices: p.choices,
-            hooks: p.hooks.iter().map(|h| h.to_string()).collect(),
-        });
-    }
-    Ok(Trace::from_paths(rules, paths, from_node))
+    let start = PathState::start(packet, from_node, ModeState::default());
+    tracer.walk(first, start, &mut finished)?;
+    Ok(shared::report(finished, from_node, |r, path| TracedRule {
+        table: table.clone(),
+        chain: r.chain.to_string(),
+        rule: r.rule.text(ruleset.family),
+        path,
+    }))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -180,40 +138,13 @@ struct RuleRef<'a> {
 }
 
 /// The packet and its history on one path.
-#[derive(Clone, Debug)]
-struct PathState<'a> {
-    src: IpAddr,
-    dst: IpAddr,
-    dport: u16,
-    protocol: crate::model::Protocol,
-    in_interface: Option<String>,
-    mark: u32,
-    dnat: Option<SocketAddr>,
-    masquerade: bool,
-    /// A rule of ours said `accept`.
-    accepted: bool,
+type PathState<'a> = shared::PathState<'a, RuleRef<'a>, ModeState<'a>>;
+
+/// What the nftables walk tracks on a path besides the packet.
+#[derive(Clone, Debug, Default)]
+struct ModeState<'a> {
     /// Session-affinity set lookups already decided on this path (set -> saddr in it).
     affinity: BTreeMap<&'a str, bool>,
-    rules: Vec<RuleRef<'a>>,
-    choices: Vec<String>,
-    hooks: Vec<&'a str>,
-    verdict: Verdict,
-}
-
-/// How a chain traversal ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum End {
-    /// Fell off the end or hit `return`.
-    Fall,
-    /// `accept`, `dnat` or `masquerade`: this base chain is done with the packet.
-    Accept,
-    Drop,
-    Reject,
-}
-
-enum Work<'a> {
-    At(usize, PathState<'a>),
-    Done(PathState<'a>, End),
 }
 
 /// Where a rule is evaluated: for error messages, choice notes and NAT validation.
@@ -232,22 +163,73 @@ struct Tracer<'a> {
     table: &'a str,
     ctx: &'a TraceContext,
     hooks: BTreeMap<&'static str, Vec<BaseChain<'a>>>,
-    /// Paths created so far (each fork adds one per extra branch).
-    forks: usize,
+    forks: Forks,
+    /// The packet was generated on the node.
+    from_node: bool,
+}
+
+impl<'a> HookOrder<'a, RuleRef<'a>, ModeState<'a>> for Tracer<'a> {
+    type Stage = Stage;
+
+    /// Runs the base chains of `stage` in priority order: a path stopped in one goes no further.
+    fn run_stage(
+        &mut self,
+        stage: Stage,
+        st: PathState<'a>,
+    ) -> Result<AfterStage<'a, RuleRef<'a>, ModeState<'a>>, TraceError> {
+        let chains: Vec<BaseChain<'a>> = self
+            .hooks
+            .get(stage.hook())
+            .map(|c| {
+                c.iter()
+                    .copied()
+                    // NAT for the looped-back packet was decided in output.
+                    .filter(|b| stage != Stage::LoopbackPrerouting || b.hook.kind != "nat")
+                    .collect()
+            })
+            .unwrap_or_default();
+        let mut stopped = Vec::new();
+        let mut current = vec![st];
+        for base in chains {
+            let mut next = Vec::new();
+            for mut s in current {
+                s.hooks.push(base.name);
+                for (s, end) in self.run_chain(base, base.name, s, &mut Vec::new())? {
+                    // Base chain policy accept: the next base chain sees the packet.
+                    match s.after(end) {
+                        AfterHook::GoesOn(s) => next.push(s),
+                        stop => stopped.push(stop),
+                    }
+                }
+            }
+            current = next;
+        }
+        stopped.extend(current.into_iter().map(AfterHook::GoesOn));
+        Ok(stopped)
+    }
+
+    /// The kernel's hook order; routing decides on the (possibly DNATed) destination.
+    fn next_stage(&self, stage: Stage, st: &mut PathState<'a>) -> Option<Stage> {
+        let next = match stage {
+            Stage::Prerouting if self.is_local(&st.dst) => Some(Stage::Input),
+            Stage::Prerouting => Some(Stage::Forward),
+            Stage::Forward | Stage::Output => Some(Stage::Postrouting),
+            // Local traffic to a local address loops back in through `lo`.
+            Stage::Postrouting if self.from_node && self.is_local(&st.dst) => Some(Stage::LoopbackPrerouting),
+            Stage::LoopbackPrerouting => Some(Stage::Input),
+            Stage::Postrouting | Stage::Input => None,
+        };
+        if next == Some(Stage::LoopbackPrerouting) {
+            st.loop_back();
+        }
+        next
+    }
 }
 
 impl<'a> Tracer<'a> {
     /// Loopback and the node's addresses: what `fib ... type local` finds local.
     fn is_local(&self, ip: &IpAddr) -> bool {
-        ip.is_loopback() || self.ctx.local_addresses.contains(ip)
-    }
-
-    fn fork(&mut self, extra: usize) -> Result<(), TraceError> {
-        self.forks += extra;
-        if self.forks > MAX_PATHS {
-            return Err(TraceError::TooManyPaths { limit: MAX_PATHS });
-        }
-        Ok(())
+        self.ctx.is_local(ip)
     }
 
     fn error(&self, chain: &str, rule: Option<&Rule>, reason: impl Into<String>) -> TraceError {
@@ -262,78 +244,8 @@ impl<'a> Tracer<'a> {
         }
     }
 
-    /// Runs the base chains of `stage` and every later hook for one path, pushing finished
-    /// paths to `out`.
-    fn walk(
-        &mut self,
-        stage: Stage,
-        st: PathState<'a>,
-        from_node: bool,
-        out: &mut Vec<PathState<'a>>,
-    ) -> Result<(), TraceError> {
-        let chains: Vec<BaseChain<'a>> = self
-            .hooks
-            .get(stage.hook())
-            .map(|c| {
-                c.iter()
-                    .copied()
-                    // NAT for the looped-back packet was decided in output.
-                    .filter(|b| stage != Stage::LoopbackPrerouting || b.hook.kind != "nat")
-                    .collect()
-            })
-            .unwrap_or_default();
-        let mut current = vec![st];
-        for base in chains {
-            let mut next = Vec::new();
-            for mut s in current {
-                s.hooks.push(base.name);
-                for (mut s, end) in self.run_chain(base, base.name, s, &mut Vec::new())? {
-                    match end {
-                        // Base chain policy accept: the next base chain sees the packet.
-                        End::Fall | End::Accept => next.push(s),
-                        End::Drop => {
-                            s.verdict = Verdict::Drop;
-                            out.push(s);
-                        }
-                        End::Reject => {
-                            s.verdict = Verdict::Reject;
-                            out.push(s);
-                        }
-                    }
-                }
-            }
-            current = next;
-        }
-        for mut s in current {
-            match self.next_stage(stage, &s, from_node) {
-                Some(next) => {
-                    if next == Stage::LoopbackPrerouting {
-                        s.in_interface = Some("lo".to_string());
-                    }
-                    self.walk(next, s, from_node, out)?;
-                }
-                None => {
-                    s.verdict = Verdict::after_all_hooks(s.dnat.is_some(), s.accepted);
-                    out.push(s);
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// The kernel's hook order; routing decides on the (possibly DNATed) destination.
-    fn next_stage(&self, stage: Stage, st: &PathState<'a>, from_node: bool) -> Option<Stage> {
-        match stage {
-            Stage::Prerouting if self.is_local(&st.dst) => Some(Stage::Input),
-            Stage::Prerouting => Some(Stage::Forward),
-            Stage::Forward | Stage::Output => Some(Stage::Postrouting),
-            // Local traffic to a local address loops back in through `lo`.
-            Stage::Postrouting if from_node && self.is_local(&st.dst) => Some(Stage::LoopbackPrerouting),
-            Stage::LoopbackPrerouting => Some(Stage::Input),
-            Stage::Postrouting | Stage::Input => None,
-        }
-    }
-
+    /// Runs one path through `chain`, inside the chains on `stack`, for the base chain `base`:
+    /// every resulting path with how it left the chain.
     fn run_chain(
         &mut self,
         base: BaseChain<'a>,
@@ -341,153 +253,133 @@ impl<'a> Tracer<'a> {
         st: PathState<'a>,
         stack: &mut Vec<&'a str>,
     ) -> Result<Vec<(PathState<'a>, End)>, TraceError> {
-        if stack.contains(&chain) || stack.len() >= MAX_DEPTH {
-            let names: Vec<&str> = stack.iter().copied().chain([chain]).collect();
-            return Err(TraceError::Loop {
-                table: self.table.to_string(),
-                stack: names.join(" -> "),
-            });
-        }
-        stack.push(chain);
-        let result = self.run_chain_inner(base, chain, st, stack);
-        stack.pop();
-        result
+        let (ruleset, table) = (self.ruleset, self.table);
+        nested(
+            stack,
+            chain,
+            table,
+            |c| c,
+            |stack| {
+                let Some(c) = ruleset.chains.get(chain) else {
+                    // Only reachable from a hand-built Ruleset: the kernel refuses such a rule.
+                    return Err(self.error(chain, None, "no such chain"));
+                };
+                run_rules(&c.rules, st, |index, rule, st| {
+                    let place = Place {
+                        base,
+                        chain,
+                        index,
+                        rule,
+                    };
+                    self.eval_rule(place, st, stack)
+                })
+            },
+        )
     }
 
-    fn run_chain_inner(
+    /// Evaluates the rule at `place` for one path: where each path it leads to goes.
+    fn eval_rule(
         &mut self,
-        base: BaseChain<'a>,
-        chain: &'a str,
+        place: Place<'a>,
         st: PathState<'a>,
         stack: &mut Vec<&'a str>,
-    ) -> Result<Vec<(PathState<'a>, End)>, TraceError> {
-        let ruleset = self.ruleset;
-        let Some(c) = ruleset.chains.get(chain) else {
-            // Only reachable from a hand-built Ruleset: the kernel refuses such a rule.
-            return Err(self.error(chain, None, "no such chain"));
-        };
-        let mut out = Vec::new();
-        // A stack of work items, pushed in reverse so paths come out depth-first in rule order.
-        let mut work = vec![Work::At(0, st)];
-        while let Some(item) = work.pop() {
-            let (i, st) = match item {
-                Work::Done(s, end) => {
-                    out.push((s, end));
-                    continue;
-                }
-                Work::At(i, s) => (i, s),
-            };
-            let Some(rule) = c.rules.get(i) else {
-                out.push((st, End::Fall));
+    ) -> Result<Vec<Work<PathState<'a>>>, TraceError> {
+        let Place {
+            chain, index: i, rule, ..
+        } = place;
+        let mut next = Vec::new();
+        for (mut s, matched) in self.eval_matches(place, st)? {
+            if !matched {
+                next.push(Work::At(i + 1, s));
                 continue;
-            };
-            let place = Place {
-                base,
-                chain,
-                index: i,
-                rule,
-            };
-            let mut next = Vec::new();
-            for (mut s, matched) in self.eval_matches(place, st)? {
-                if !matched {
-                    next.push(Work::At(i + 1, s));
-                    continue;
+            }
+            let r = RuleRef { chain, index: i, rule };
+            match &rule.statement {
+                Statement::Verdict(v) => {
+                    s.rules.push(r);
+                    self.apply_verdict(place, v, s, stack, &mut next)?;
                 }
-                let r = RuleRef { chain, index: i, rule };
-                match &rule.statement {
-                    Statement::Verdict(v) => {
-                        s.rules.push(r);
-                        self.apply_verdict(place, v, s, stack, &mut next)?;
-                    }
-                    Statement::Vmap { key, map } => {
-                        let map = self.set(place, map, true)?;
-                        let elem_key = match (key, map.decl.key) {
-                            (VmapKey::DaddrProtoPort, KeyType::AddrProtoPort) => {
-                                ElemKey::AddrProtoPort(s.dst, s.protocol, s.dport)
-                            }
-                            (VmapKey::ProtoPort, KeyType::ProtoPort) => ElemKey::ProtoPort(s.protocol, s.dport),
-                            _ => {
+                Statement::Vmap { key, map } => {
+                    let map = self.set(place, map, true)?;
+                    let elem_key = match (key, map.decl.key) {
+                        (VmapKey::DaddrProtoPort, KeyType::AddrProtoPort) => {
+                            ElemKey::AddrProtoPort(s.dst, s.protocol, s.dport)
+                        }
+                        (VmapKey::ProtoPort, KeyType::ProtoPort) => ElemKey::ProtoPort(s.protocol, s.dport),
+                        _ => {
+                            return Err(self.error(chain, Some(rule), "the map's key type does not fit the lookup"));
+                        }
+                    };
+                    match map.elements.get(&elem_key) {
+                        // No element: the lookup does not match, the next rule runs.
+                        None => next.push(Work::At(i + 1, s)),
+                        Some(element) => {
+                            let Some(v) = &element.value else {
                                 return Err(self.error(
                                     chain,
                                     Some(rule),
-                                    "the map's key type does not fit the lookup",
+                                    format!("element {elem_key} of @{} has no verdict", map.decl.name),
                                 ));
-                            }
-                        };
-                        match map.elements.get(&elem_key) {
-                            // No element: the lookup does not match, the next rule runs.
-                            None => next.push(Work::At(i + 1, s)),
-                            Some(element) => {
-                                let Some(v) = &element.value else {
-                                    return Err(self.error(
-                                        chain,
-                                        Some(rule),
-                                        format!("element {elem_key} of @{} has no verdict", map.decl.name),
-                                    ));
-                                };
-                                s.rules.push(r);
-                                self.apply_verdict(place, v, s, stack, &mut next)?;
-                            }
+                            };
+                            s.rules.push(r);
+                            self.apply_verdict(place, v, s, stack, &mut next)?;
                         }
-                    }
-                    Statement::NumgenVmap(targets) => {
-                        if targets.is_empty() {
-                            return Err(self.error(chain, Some(rule), "numgen with no targets"));
-                        }
-                        self.fork(targets.len() - 1)?;
-                        s.rules.push(r);
-                        for (n, target) in targets.iter().enumerate() {
-                            let mut b = s.clone();
-                            // One target is no choice.
-                            if targets.len() > 1 {
-                                b.choices.push(format!(
-                                    "numgen random mod {} = {n} (goto {target}): {}",
-                                    targets.len(),
-                                    self.where_(place)
-                                ));
-                            }
-                            self.apply_verdict(place, &NftVerdict::Goto(target.clone()), b, stack, &mut next)?;
-                        }
-                    }
-                    Statement::MarkSetOr(m) => {
-                        s.mark |= m;
-                        s.rules.push(r);
-                        next.push(Work::At(i + 1, s));
-                    }
-                    Statement::MarkSetXor(m) => {
-                        s.mark ^= m;
-                        s.rules.push(r);
-                        next.push(Work::At(i + 1, s));
-                    }
-                    Statement::Masquerade => {
-                        self.check_nat(place, "postrouting")?;
-                        s.masquerade = true;
-                        s.rules.push(r);
-                        next.push(Work::Done(s, End::Accept));
-                    }
-                    Statement::Dnat(to) => {
-                        self.check_nat(place, "prerouting")?;
-                        s.dst = to.ip();
-                        s.dport = to.port();
-                        s.dnat = Some(*to);
-                        s.rules.push(r);
-                        next.push(Work::Done(s, End::Accept));
-                    }
-                    Statement::UpdateSaddr(set) => {
-                        let decl = &self.set(place, set, false)?.decl;
-                        if decl.timeout_seconds.is_none() || decl.key != KeyType::Addr {
-                            return Err(self.error(chain, Some(rule), format!("@{set} is not a dynamic address set")));
-                        }
-                        // The source is in the set from now on (a later lookup on this path hits).
-                        s.affinity.insert(decl.name.as_str(), true);
-                        s.rules.push(r);
-                        next.push(Work::At(i + 1, s));
                     }
                 }
+                Statement::NumgenVmap(targets) => {
+                    if targets.is_empty() {
+                        return Err(self.error(chain, Some(rule), "numgen with no targets"));
+                    }
+                    self.forks.add(targets.len() - 1)?;
+                    s.rules.push(r);
+                    for (n, target) in targets.iter().enumerate() {
+                        let mut b = s.clone();
+                        // One target is no choice.
+                        if targets.len() > 1 {
+                            b.choices.push(format!(
+                                "numgen random mod {} = {n} (goto {target}): {}",
+                                targets.len(),
+                                self.where_(place)
+                            ));
+                        }
+                        self.apply_verdict(place, &NftVerdict::Goto(target.clone()), b, stack, &mut next)?;
+                    }
+                }
+                Statement::MarkSetOr(m) => {
+                    s.mark |= m;
+                    s.rules.push(r);
+                    next.push(Work::At(i + 1, s));
+                }
+                Statement::MarkSetXor(m) => {
+                    s.mark ^= m;
+                    s.rules.push(r);
+                    next.push(Work::At(i + 1, s));
+                }
+                Statement::Masquerade => {
+                    self.check_nat(place, "postrouting")?;
+                    s.masquerade = true;
+                    s.rules.push(r);
+                    next.push(Work::Done(s, End::Accept));
+                }
+                Statement::Dnat(to) => {
+                    self.check_nat(place, "prerouting")?;
+                    s.dnat_to(*to);
+                    s.rules.push(r);
+                    next.push(Work::Done(s, End::Accept));
+                }
+                Statement::UpdateSaddr(set) => {
+                    let decl = &self.set(place, set, false)?.decl;
+                    if decl.timeout_seconds.is_none() || decl.key != KeyType::Addr {
+                        return Err(self.error(chain, Some(rule), format!("@{set} is not a dynamic address set")));
+                    }
+                    // The source is in the set from now on (a later lookup on this path hits).
+                    s.mode.affinity.insert(decl.name.as_str(), true);
+                    s.rules.push(r);
+                    next.push(Work::At(i + 1, s));
+                }
             }
-            work.extend(next.into_iter().rev());
         }
-        Ok(out)
+        Ok(next)
     }
 
     /// Continues a path after a verdict (a rule's, or a verdict map's value).
@@ -497,7 +389,7 @@ impl<'a> Tracer<'a> {
         verdict: &NftVerdict,
         mut s: PathState<'a>,
         stack: &mut Vec<&'a str>,
-        next: &mut Vec<Work<'a>>,
+        next: &mut Vec<Work<PathState<'a>>>,
     ) -> Result<(), TraceError> {
         match verdict {
             NftVerdict::Accept => {
@@ -509,19 +401,14 @@ impl<'a> Tracer<'a> {
             NftVerdict::Return => next.push(Work::Done(s, End::Fall)),
             NftVerdict::Jump(target) => {
                 let target = self.chain_name(place, target)?;
-                for (s2, end) in self.run_chain(place.base, target, s, stack)? {
-                    next.push(match end {
-                        End::Fall => Work::At(place.index + 1, s2),
-                        _ => Work::Done(s2, end),
-                    });
-                }
+                next.extend(Work::after_jump(
+                    self.run_chain(place.base, target, s, stack)?,
+                    place.index,
+                ));
             }
-            // Falling off (or returning from) a goto'd chain returns from this chain.
             NftVerdict::Goto(target) => {
                 let target = self.chain_name(place, target)?;
-                for (s2, end) in self.run_chain(place.base, target, s, stack)? {
-                    next.push(Work::Done(s2, end));
-                }
+                next.extend(Work::after_goto(self.run_chain(place.base, target, s, stack)?));
             }
         }
         Ok(())
@@ -616,20 +503,20 @@ impl<'a> Tracer<'a> {
                     forked.push((s, false));
                     continue;
                 }
-                match s.affinity.get(name) {
+                match s.mode.affinity.get(name) {
                     Some(&hit) => forked.push((s, hit != *negate)),
                     None => {
-                        self.fork(1)?;
+                        self.forks.add(1)?;
                         let ip_x = family_keyword(self.ruleset.family);
                         let dir = dir.keyword();
                         let mut hit = s.clone();
-                        hit.affinity.insert(name, true);
+                        hit.mode.affinity.insert(name, true);
                         hit.choices.push(format!(
                             "{ip_x} {dir} in @{name} (session affinity hit): {}",
                             self.where_(place)
                         ));
                         let mut miss = s;
-                        miss.affinity.insert(name, false);
+                        miss.mode.affinity.insert(name, false);
                         miss.choices
                             .push(format!("{ip_x} {dir} not in @{name} (miss): {}", self.where_(place)));
                         forked.push((hit, !*negate));
@@ -668,7 +555,7 @@ impl<'a> Tracer<'a> {
                             ));
                         }
                         if set.decl.timeout_seconds.is_some() {
-                            return match st.affinity.get(set.decl.name.as_str()) {
+                            return match st.mode.affinity.get(set.decl.name.as_str()) {
                                 Some(&hit) => Ok(Some(hit != *negate)),
                                 None => Ok(None),
                             };
@@ -701,13 +588,13 @@ impl<'a> Tracer<'a> {
 mod tests {
     use super::*;
     use crate::config::LocalDetector;
-    use crate::iptables::trace::render_text;
     use crate::model::{
         Endpoint, IpFamily, NodeInfo, Protocol, ProxyState, ServicePort, ServicePortName, ServicePortState,
     };
     use crate::nftables::ast::{ChainDecl, Element, Op, SetDecl, Transaction};
     use crate::nftables::render::render_tx;
     use crate::proxy::{RenderOptions, local_addresses};
+    use crate::trace::{MAX_PATHS, Verdict, render_text};
 
     const NODE_IP: &str = "192.168.0.2";
 
