@@ -1,19 +1,94 @@
-//! Glue shared by the subcommands and the tests: configuration + manifests → one rendered
-//! ruleset per IP family.
+//! Glue shared by the subcommands and the tests: configuration + manifests → this node, the
+//! families to show, and, per family, what the configured mode's full sync programs (`render`)
+//! and where a packet goes through it (`trace`). The one place that picks the mode's renderer
+//! and tracer for them.
 
 use std::net::IpAddr;
 
-use crate::config::ProxyConfig;
-use crate::iptables::{self, IptablesRenderOptions, Ruleset};
+use crate::config::{ProxyConfig, ProxyMode};
+use crate::iptables::IptablesRenderOptions;
+use crate::ipvs::render::IpvsRenderOptions;
 use crate::manifest::Objects;
-use crate::model::{IpFamily, NodeInfo, ProxyState, build_state};
+use crate::model::{IpFamily, NodeInfo, ProxyState};
+use crate::proxy::{RenderOptions, local_addresses};
+use crate::trace::{Packet, Trace, TraceContext, TraceError};
+use crate::{iptables, ipvs, nftables};
 
-/// One family's model and rules.
+/// One family's rules as `render` prints them, with the warnings found making them.
 #[derive(Clone, Debug)]
-pub struct FamilyRules {
-    pub state: ProxyState,
-    pub options: IptablesRenderOptions,
-    pub ruleset: Ruleset,
+pub struct RenderedFamily {
+    pub text: String,
+    pub warnings: Vec<String>,
+}
+
+/// `trace` could not follow the packet.
+#[derive(Debug, thiserror::Error)]
+pub enum TraceFailed {
+    #[error(transparent)]
+    Trace(#[from] TraceError),
+    /// Our own nftables transaction does not apply to an empty table (a bug).
+    #[error("the rendered nftables transaction does not apply: {0}")]
+    Nftables(nftables::ruleset::ApplyError),
+}
+
+/// What the configured mode's full sync programs for `state`, as `render` prints it:
+/// `iptables-restore` input with its jump rules (iptables), the `nft -f -` transaction
+/// (nftables), or the IPVS table, ipsets and rules (IPVS).
+pub fn render(cfg: &ProxyConfig, state: &ProxyState) -> RenderedFamily {
+    let (family, node) = (state.family, &state.node);
+    let mut warnings = state.warnings.clone();
+    let text = match cfg.mode {
+        ProxyMode::Iptables => {
+            iptables::render(state, &IptablesRenderOptions::from_config(cfg, family, node)).annotated()
+        }
+        ProxyMode::Nftables => format!(
+            "# nft -f - input ({family})\n{}",
+            nftables::render(state, &RenderOptions::from_config(cfg, family, node))
+        ),
+        ProxyMode::Ipvs => {
+            let rendered = ipvs::render::render(state, &IpvsRenderOptions::from_config(cfg, family, node));
+            warnings.extend(rendered.warnings.iter().cloned());
+            rendered.to_text()
+        }
+    };
+    RenderedFamily { text, warnings }
+}
+
+/// Follows `packet` through what the configured mode's full sync programs for `state` (the
+/// rules [`render`] prints); the warnings found making them come first, whatever the outcome.
+pub fn trace(cfg: &ProxyConfig, state: &ProxyState, packet: &Packet) -> (Vec<String>, Result<Trace, TraceFailed>) {
+    let mut warnings = state.warnings.clone();
+    let result = trace_mode(cfg, state, packet, &mut warnings);
+    (warnings, result)
+}
+
+fn trace_mode(
+    cfg: &ProxyConfig,
+    state: &ProxyState,
+    packet: &Packet,
+    warnings: &mut Vec<String>,
+) -> Result<Trace, TraceFailed> {
+    let (family, node) = (state.family, &state.node);
+    let ctx = TraceContext {
+        local_addresses: local_addresses(state),
+    };
+    Ok(match cfg.mode {
+        ProxyMode::Iptables => {
+            let ruleset = iptables::render(state, &IptablesRenderOptions::from_config(cfg, family, node));
+            iptables::trace::trace(&ruleset, &ctx, packet)?
+        }
+        ProxyMode::Nftables => {
+            // The table as the kernel holds it after that full sync.
+            let tx = nftables::render::render_tx(state, &RenderOptions::from_config(cfg, family, node), true);
+            let table = nftables::ruleset::Ruleset::from_transaction(&tx).map_err(TraceFailed::Nftables)?;
+            nftables::trace::trace(&table, &ctx, packet)?
+        }
+        ProxyMode::Ipvs => {
+            let rendered = ipvs::render::render(state, &IpvsRenderOptions::from_config(cfg, family, node));
+            warnings.extend(rendered.warnings.iter().cloned());
+            ipvs::trace::trace(&rendered, &ctx, packet)?
+        }
+    })
 }
 
 /// Families worth rendering when the operator did not choose: those that any Service cluster
@@ -61,22 +136,4 @@ pub fn node_info_from(nodes: &[k8s_openapi::api::core::v1::Node], cfg: &ProxyCon
         node.addresses.insert(0, bind);
     }
     node
-}
-
-/// Builds the model and renders the iptables rules of each requested family.
-pub fn render_iptables(objects: &Objects, cfg: &ProxyConfig, families: &[IpFamily]) -> Vec<FamilyRules> {
-    let node = node_info(objects, cfg);
-    families
-        .iter()
-        .map(|&family| {
-            let state = build_state(objects, &node, family);
-            let options = IptablesRenderOptions::from_config(cfg, family, &state.node);
-            let ruleset = iptables::render(&state, &options);
-            FamilyRules {
-                state,
-                options,
-                ruleset,
-            }
-        })
-        .collect()
 }

@@ -13,11 +13,10 @@ use kube_proxy::app;
 use kube_proxy::cli::{
     Cli, Command, DaemonFlags, FamilyArg, LabAction, OutputArg, RenderArgs, TraceArgs, normalize_args,
 };
-use kube_proxy::config::{ProxyConfig, ProxyMode};
+use kube_proxy::config::ProxyConfig;
 use kube_proxy::manifest;
-use kube_proxy::model::{IpFamily, Protocol};
-use kube_proxy::proxy::local_addresses;
-use kube_proxy::trace::{self, Packet, TraceContext};
+use kube_proxy::model::{IpFamily, Protocol, build_state};
+use kube_proxy::trace::{self, Packet};
 
 fn main() -> ExitCode {
     let cli = Cli::parse_from(normalize_args(std::env::args()));
@@ -152,83 +151,30 @@ fn load(paths: &[PathBuf]) -> anyhow::Result<manifest::Objects> {
     Ok(objects)
 }
 
-fn require_iptables(cfg: &ProxyConfig) -> anyhow::Result<()> {
-    if cfg.mode != ProxyMode::Iptables {
-        bail!(
-            "this command does not support proxy mode {:?} yet (iptables and nftables only)",
-            cfg.mode.as_str()
-        );
-    }
-    Ok(())
-}
-
 fn render(cfg: &ProxyConfig, args: RenderArgs) -> anyhow::Result<ExitCode> {
     let objects = load(&args.paths)?;
+    let node = app::node_info(&objects, cfg);
     let families = match args.ip_family {
         Some(FamilyArg::V4) => vec![IpFamily::V4],
         Some(FamilyArg::V6) => vec![IpFamily::V6],
-        None => app::families_in_use(&objects, &app::node_info(&objects, cfg)),
+        None => app::families_in_use(&objects, &node),
     };
-    if cfg.mode == ProxyMode::Nftables {
-        // The transaction a full sync sends to `nft -f -`, per family.
-        let node = app::node_info(&objects, cfg);
-        let mut reported: std::collections::HashSet<String> = std::collections::HashSet::new();
-        for (i, family) in families.iter().enumerate() {
-            let state = kube_proxy::model::build_state(&objects, &node, *family);
-            for w in state.warnings.iter().filter(|w| reported.insert((*w).clone())) {
-                eprintln!("warning: {w}");
-            }
-            let opts = kube_proxy::proxy::RenderOptions::from_config(cfg, *family, &node);
-            if i > 0 {
-                println!();
-            }
-            println!("# nft -f - input ({family})");
-            print!("{}", kube_proxy::nftables::render(&state, &opts));
-        }
-        return Ok(ExitCode::SUCCESS);
-    }
-    if cfg.mode == ProxyMode::Ipvs {
-        // The virtual servers, ipsets and iptables rules a full sync programs, per family.
-        let node = app::node_info(&objects, cfg);
-        let mut reported: std::collections::HashSet<String> = std::collections::HashSet::new();
-        for (i, family) in families.iter().enumerate() {
-            let state = kube_proxy::model::build_state(&objects, &node, *family);
-            let opts = kube_proxy::ipvs::render::IpvsRenderOptions::from_config(cfg, *family, &node);
-            let rendered = kube_proxy::ipvs::render::render(&state, &opts);
-            for w in state.warnings.iter().chain(&rendered.warnings) {
-                if reported.insert(w.clone()) {
-                    eprintln!("warning: {w}");
-                }
-            }
-            if i > 0 {
-                println!();
-            }
-            print!("{}", rendered.to_text());
-        }
-        return Ok(ExitCode::SUCCESS);
-    }
-    require_iptables(cfg)?;
-    let rendered = app::render_iptables(&objects, cfg, &families);
-    let mut out = String::new();
     // A Service-level problem is found once per family; report it once.
     let mut reported = std::collections::HashSet::new();
-    for (i, fr) in rendered.iter().enumerate() {
-        for w in fr.state.warnings.iter().filter(|w| reported.insert(w.as_str())) {
+    for (i, family) in families.into_iter().enumerate() {
+        let rendered = app::render(cfg, &build_state(&objects, &node, family));
+        for w in rendered.warnings.iter().filter(|w| reported.insert((*w).clone())) {
             eprintln!("warning: {w}");
         }
         if i > 0 {
-            out.push('\n');
+            println!();
         }
-        out.push_str(&fr.ruleset.annotated());
+        print!("{}", rendered.text);
     }
-    print!("{out}");
     Ok(ExitCode::SUCCESS)
 }
 
 fn trace_cmd(cfg: &ProxyConfig, args: TraceArgs) -> anyhow::Result<ExitCode> {
-    if !matches!(cfg.mode, ProxyMode::Nftables | ProxyMode::Ipvs) {
-        require_iptables(cfg)?;
-    }
     let protocol = Protocol::from_api(&args.protocol.to_ascii_uppercase()).with_context(|| {
         format!(
             "invalid value {:?} for --protocol: must be TCP, UDP or SCTP",
@@ -239,7 +185,6 @@ fn trace_cmd(cfg: &ProxyConfig, args: TraceArgs) -> anyhow::Result<ExitCode> {
         bail!("--from {} and --to {} are of different IP families", args.from, args.to);
     }
     let objects = load(&args.paths)?;
-    let family = IpFamily::of(&args.to.ip());
     let packet = Packet {
         src: args.from,
         dst: args.to.ip(),
@@ -247,45 +192,12 @@ fn trace_cmd(cfg: &ProxyConfig, args: TraceArgs) -> anyhow::Result<ExitCode> {
         protocol,
         in_interface: args.in_interface.clone(),
     };
-    let result = if cfg.mode == ProxyMode::Nftables {
-        // The table as the kernel holds it after the full sync that `render` prints.
-        let node = app::node_info(&objects, cfg);
-        let state = kube_proxy::model::build_state(&objects, &node, family);
-        for w in &state.warnings {
-            eprintln!("warning: {w}");
-        }
-        let opts = kube_proxy::proxy::RenderOptions::from_config(cfg, family, &node);
-        let tx = kube_proxy::nftables::render::render_tx(&state, &opts, true);
-        let table = kube_proxy::nftables::ruleset::Ruleset::from_transaction(&tx)
-            .context("the rendered nftables transaction does not apply")?;
-        let ctx = TraceContext {
-            local_addresses: local_addresses(&state),
-        };
-        kube_proxy::nftables::trace::trace(&table, &ctx, &packet)?
-    } else if cfg.mode == ProxyMode::Ipvs {
-        // The virtual servers, ipsets and rules of the full sync that `render` prints.
-        let node = app::node_info(&objects, cfg);
-        let state = kube_proxy::model::build_state(&objects, &node, family);
-        let opts = kube_proxy::ipvs::render::IpvsRenderOptions::from_config(cfg, family, &node);
-        let rendered = kube_proxy::ipvs::render::render(&state, &opts);
-        for w in state.warnings.iter().chain(&rendered.warnings) {
-            eprintln!("warning: {w}");
-        }
-        let ctx = TraceContext {
-            local_addresses: local_addresses(&state),
-        };
-        kube_proxy::ipvs::trace::trace(&rendered, &ctx, &packet)?
-    } else {
-        let rendered = app::render_iptables(&objects, cfg, &[family]);
-        let fr = rendered.first().context("no ruleset rendered")?;
-        for w in &fr.state.warnings {
-            eprintln!("warning: {w}");
-        }
-        let ctx = TraceContext {
-            local_addresses: local_addresses(&fr.state),
-        };
-        kube_proxy::iptables::trace::trace(&fr.ruleset, &ctx, &packet)?
-    };
+    let state = build_state(&objects, &app::node_info(&objects, cfg), IpFamily::of(&args.to.ip()));
+    let (warnings, result) = app::trace(cfg, &state, &packet);
+    for w in &warnings {
+        eprintln!("warning: {w}");
+    }
+    let result = result?;
     match args.output {
         OutputArg::Json => println!("{}", serde_json::to_string_pretty(&result)?),
         OutputArg::Text => print!("{}", trace::render_text(&result, &packet)),
