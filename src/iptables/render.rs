@@ -102,7 +102,8 @@ pub struct RenderContext {
     pub local_addresses: Vec<IpAddr>,
     mark: String,
     if_local: String,
-    if_not_local: String,
+    /// [`cluster_ip_masquerade`] of the options.
+    cluster_ip_masquerade: Option<String>,
 }
 
 impl RenderContext {
@@ -122,7 +123,7 @@ impl RenderContext {
             local_addresses: local_addresses(state),
             mark: masquerade_mark(opts.common.masquerade_bit),
             if_local: opts.common.local_detector.if_local().join(" "),
-            if_not_local: opts.common.local_detector.if_not_local().join(" "),
+            cluster_ip_masquerade: cluster_ip_masquerade(&opts.common),
             opts: opts.clone(),
         }
     }
@@ -357,21 +358,11 @@ impl<'a> ServiceRules<'a> {
             return;
         }
         let (name, proto, port, cluster_ip) = (&self.name, self.proto, self.svc.port, self.svc.cluster_ip);
-        let internal_chain = self.internal_chain();
-        let common = &self.ctx.opts.common;
-        let cluster_ip_match =
-            format!("-m comment --comment \"{name} cluster IP\" -m {proto} -p {proto} -d {cluster_ip} --dport {port}");
-        if common.masquerade_all {
+        if let Some(matches) = &self.ctx.cluster_ip_masquerade {
             line!(
                 f.chain_rules,
-                "-A {internal_chain} {cluster_ip_match} -j {KUBE_MARK_MASQ}"
-            );
-        } else if common.local_detector.is_implemented() {
-            // Off-cluster traffic to a ClusterIP may bounce off-node: masquerade it.
-            line!(
-                f.chain_rules,
-                "-A {internal_chain} {cluster_ip_match} {} -j {KUBE_MARK_MASQ}",
-                self.ctx.if_not_local
+                "-A {} -m comment --comment \"{name} cluster IP\" -m {proto} -p {proto} -d {cluster_ip} --dport {port}{matches} -j {KUBE_MARK_MASQ}",
+                self.internal_chain()
             );
         }
     }
@@ -527,7 +518,29 @@ pub fn filter_section<'a>(ctx: &RenderContext, fragments: impl Iterator<Item = &
         };
         line!(s, "-A {KUBE_FORWARD} -m conntrack --ctstate INVALID{nfacct} -j DROP");
     }
-    // Forward what we marked even when the FORWARD policy is DROP, and the rest of its flow.
+    s.push_str(&forward_rules(mark));
+    s.push_str("COMMIT\n");
+    s
+}
+
+/// What ClusterIP traffic is masqueraded, as the matches that follow the ClusterIP's own:
+/// all of it with masqueradeAll (no more matches), traffic from outside the cluster with a
+/// local-traffic detector (the detector's "not local" matches, after a space, since it may
+/// bounce off-node), and none of it without one (`None`). IPVS mode decides the same.
+pub fn cluster_ip_masquerade(common: &RenderOptions) -> Option<String> {
+    if common.masquerade_all {
+        Some(String::new())
+    } else if common.local_detector.is_implemented() {
+        Some(format!(" {}", common.local_detector.if_not_local().join(" ")))
+    } else {
+        None
+    }
+}
+
+/// The rules of filter KUBE-FORWARD after the INVALID drop (IPVS mode writes the same): what
+/// we marked is forwarded even when the FORWARD policy is DROP, and so is the rest of its flow.
+pub fn forward_rules(mark: &str) -> String {
+    let mut s = String::new();
     line!(
         s,
         "-A {KUBE_FORWARD} -m comment --comment \"kubernetes forwarding rules\" -m mark --mark {mark}/{mark} -j ACCEPT"
@@ -536,18 +549,22 @@ pub fn filter_section<'a>(ctx: &RenderContext, fragments: impl Iterator<Item = &
         s,
         "-A {KUBE_FORWARD} -m comment --comment \"kubernetes forwarding conntrack rule\" -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT"
     );
-    s.push_str("COMMIT\n");
     s
 }
 
 /// Rules of nat KUBE-POSTROUTING and KUBE-MARK-MASQ.
 pub fn masquerade_rules(ctx: &RenderContext) -> String {
-    let mark = &ctx.mark;
+    postrouting_rules(&ctx.mark, ctx.opts.random_fully)
+}
+
+/// Rules of nat KUBE-POSTROUTING and KUBE-MARK-MASQ for the mark `mark` (IPVS mode writes the
+/// same): marked packets are masqueraded (`--random-fully` when iptables supports it).
+pub fn postrouting_rules(mark: &str, random_fully: bool) -> String {
     let mut s = String::new();
     line!(s, "-A {KUBE_POSTROUTING} -m mark ! --mark {mark}/{mark} -j RETURN");
     // Clear the mark so that a packet re-traversing the stack is not masqueraded twice.
     line!(s, "-A {KUBE_POSTROUTING} -j MARK --xor-mark {mark}");
-    let random_fully = if ctx.opts.random_fully { " --random-fully" } else { "" };
+    let random_fully = if random_fully { " --random-fully" } else { "" };
     line!(
         s,
         "-A {KUBE_POSTROUTING} -m comment --comment \"kubernetes service traffic requiring SNAT\" -j MASQUERADE{random_fully}"
@@ -713,12 +730,22 @@ pub fn jump_rules() -> Vec<JumpRule> {
             args.extend(["-m".into(), "comment".into(), "--comment".into(), comment.into()]);
         }
         args.extend(["-j".into(), target.into()]);
-        // Prepending puts each later rule before the earlier ones of the same chain.
+        out.push(JumpRule { table, chain, args });
+    }
+    inserted_at_the_top(out)
+}
+
+/// `rules`, each ensured in turn by inserting it at the top of its chain, in the order they
+/// end up in each built-in chain: each later rule before the earlier ones of the same chain.
+/// (IPVS mode ensures its jump rules the same way.)
+pub fn inserted_at_the_top(rules: Vec<JumpRule>) -> Vec<JumpRule> {
+    let mut out: Vec<JumpRule> = Vec::with_capacity(rules.len());
+    for rule in rules {
         let pos = out
             .iter()
-            .position(|j| j.table == table && j.chain == chain)
+            .position(|j| j.table == rule.table && j.chain == rule.chain)
             .unwrap_or(out.len());
-        out.insert(pos, JumpRule { table, chain, args });
+        out.insert(pos, rule);
     }
     out
 }

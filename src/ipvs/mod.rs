@@ -6,6 +6,7 @@
 
 pub mod cleanup;
 pub mod host;
+pub mod iptables;
 pub mod kernel;
 pub mod names;
 pub mod netlink;
