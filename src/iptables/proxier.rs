@@ -18,7 +18,7 @@ use super::names::{
     KUBE_MARK_MASQ, KUBE_NODEPORTS, KUBE_POSTROUTING, KUBE_PROXY_CANARY, KUBE_SERVICES, is_service_chain,
 };
 use super::render::{
-    IptablesRenderOptions, RenderContext, ServiceFragment, filter_section, jump_rules, masquerade_rules,
+    IptablesRenderOptions, RenderContext, ServiceFragment, filter_section, jump_rules, masquerade_rules, nat_section,
     nodeports_tail, render_service,
 };
 use super::replace::merge_table;
@@ -195,7 +195,7 @@ impl<I: Iptables> Proxier<I> {
         stale.dedup();
         report.removed_objects = stale.len();
 
-        let nat_section = nat_section(&ctx, &fragments, &write, &masquerade, &stale);
+        let nat_section = noflush_nat_section(&ctx, &fragments, &write, &masquerade, &stale);
         let filter_section = if write.filter { filter.as_str() } else { "" };
         // iptables-restore commits each table on its own. A Service that gains endpoints must
         // get its DNAT before its REJECT goes, and one that loses them its REJECT before its
@@ -340,7 +340,7 @@ fn unused_service_chains(saved: &str, fragments: &[(&ServiceFragment, bool)]) ->
 
 /// The `*nat` part of a `--noflush` restore: the fixed chains in `write`, the chains of the
 /// changed service ports, and the deletion of `stale` ones; empty when it declares nothing.
-fn nat_section(
+fn noflush_nat_section(
     ctx: &RenderContext,
     fragments: &[(&ServiceFragment, bool)],
     write: &Writes,
@@ -412,23 +412,7 @@ fn replace_tables<I: Iptables>(
     gained_endpoints: bool,
     mut report: SyncReport,
 ) -> Result<(SyncReport, Applied), SyncError> {
-    let mut nat = String::from("*nat\n");
-    for c in [KUBE_SERVICES, KUBE_NODEPORTS, KUBE_POSTROUTING, KUBE_MARK_MASQ] {
-        let _ = writeln!(nat, ":{c} - [0:0]");
-    }
-    for (f, _) in fragments {
-        for c in &f.chains {
-            let _ = writeln!(nat, ":{c} - [0:0]");
-        }
-    }
-    nat.push_str(masquerade);
-    for (f, _) in fragments {
-        nat.push_str(&f.services_rules);
-        nat.push_str(&f.nodeports_rules);
-        nat.push_str(&f.chain_rules);
-    }
-    nat.push_str(&nodeports_tail(ctx));
-    nat.push_str("COMMIT\n");
+    let nat = nat_section(ctx, masquerade, fragments.iter().map(|(f, _)| *f));
     let jumps = jump_rules();
     let saved_nat = ipt.save_counters("nat").map_err(SyncError::Save)?;
     let saved_filter = ipt.save_counters("filter").map_err(SyncError::Save)?;

@@ -605,6 +605,33 @@ pub fn nodeports_tail(ctx: &RenderContext) -> String {
     s
 }
 
+/// The whole `*nat` section of a full sync: the fixed chains and every service port's, the
+/// `masquerade` rules ([`masquerade_rules`]), then each service port's rules, in order.
+pub fn nat_section<'a>(
+    ctx: &RenderContext,
+    masquerade: &str,
+    fragments: impl Iterator<Item = &'a ServiceFragment> + Clone,
+) -> String {
+    let mut s = String::from("*nat\n");
+    for c in NAT_CHAINS {
+        line!(s, ":{c} - [0:0]");
+    }
+    for f in fragments.clone() {
+        for c in &f.chains {
+            line!(s, ":{c} - [0:0]");
+        }
+    }
+    s.push_str(masquerade);
+    for f in fragments {
+        s.push_str(&f.services_rules);
+        s.push_str(&f.nodeports_rules);
+        s.push_str(&f.chain_rules);
+    }
+    s.push_str(&nodeports_tail(ctx));
+    s.push_str("COMMIT\n");
+    s
+}
+
 /// Renders the full-sync ruleset of one family.
 pub fn render(state: &ProxyState, opts: &IptablesRenderOptions) -> Ruleset {
     let ctx = RenderContext::new(state, opts);
@@ -614,23 +641,7 @@ pub fn render(state: &ProxyState, opts: &IptablesRenderOptions) -> Ruleset {
         .map(|sps| render_service(sps, &ctx))
         .collect();
     let mut restore = filter_section(&ctx, fragments.iter());
-    restore.push_str("*nat\n");
-    for c in NAT_CHAINS {
-        line!(restore, ":{c} - [0:0]");
-    }
-    for f in &fragments {
-        for c in &f.chains {
-            line!(restore, ":{c} - [0:0]");
-        }
-    }
-    restore.push_str(&masquerade_rules(&ctx));
-    for f in &fragments {
-        restore.push_str(&f.services_rules);
-        restore.push_str(&f.nodeports_rules);
-        restore.push_str(&f.chain_rules);
-    }
-    restore.push_str(&nodeports_tail(&ctx));
-    restore.push_str("COMMIT\n");
+    restore.push_str(&nat_section(&ctx, &masquerade_rules(&ctx), fragments.iter()));
     Ruleset {
         family: ctx.family,
         jumps: jump_rules(),
