@@ -18,7 +18,7 @@ use super::names::{
     KUBE_MARK_MASQ, KUBE_NODEPORTS, KUBE_POSTROUTING, KUBE_PROXY_CANARY, KUBE_SERVICES, is_service_chain,
 };
 use super::render::{
-    IptablesRenderOptions, RenderContext, ServiceFragment, filter_section, jump_rules, masquerade_rules,
+    IptablesRenderOptions, RenderContext, ServiceFragment, filter_section, jump_rules, masquerade_rules, nat_section,
     nodeports_tail, render_service,
 };
 use super::replace::merge_table;
@@ -149,14 +149,80 @@ impl<I: Iptables> IptablesProxier<I> {
             self.ensure_setup().map_err(SyncError::Setup)?;
         }
 
-        // Render what changed (everything on a full sync). The work below is proportional to
-        // the number of changed service ports, except for cheap comparisons of the others.
+        let mut changes = Changes::default();
+        let order = self.render_service_ports(state, &ctx, full, &mut changes, &mut report);
+        report.rewritten_services = order.iter().filter(|(_, changed)| *changed).count();
+        let fragments: Vec<(&ServiceFragment, bool)> = order
+            .iter()
+            .map(|(k, changed)| (&self.services[*k].fragment, *changed))
+            .collect();
+
+        let prev = if full { None } else { self.applied.take() };
+        let write = Writes {
+            filter: prev.is_none() || changes.filter_changed,
+            services: prev.is_none() || changes.services_changed,
+            nodeports: prev.is_none() || changes.nodeports_changed,
+            masquerade: prev.is_none(),
+        };
+        let filter = if write.filter {
+            filter_section(&ctx, fragments.iter().map(|(f, _)| *f))
+        } else {
+            prev.as_ref().map(|a| a.filter.clone()).unwrap_or_default()
+        };
+        let masquerade = masquerade_rules(&ctx);
+
+        if by_replacing {
+            let (report, applied) = replace_tables(
+                &mut self.ipt, &ctx, &filter, &masquerade, &fragments, changes.gained_endpoints, report,
+            )?;
+            self.applied = Some(applied);
+            return Ok(report);
+        }
+
+        let mut stale = changes.stale;
+        // On a full sync, delete whatever the kernel has that we do not use (rules left by an
+        // earlier run, ours or upstream's).
+        if prev.is_none() {
+            let saved = self.ipt.save("nat").map_err(SyncError::Save)?;
+            stale = unused_service_chains(&saved, &fragments);
+        }
+        stale.sort();
+        stale.dedup();
+        report.removed_objects = stale.len();
+
+        let nat_section = noflush_nat_section(&ctx, &fragments, &write, &masquerade, &stale);
+        let filter_section = if write.filter { filter.as_str() } else { "" };
+        // iptables-restore commits each table on its own. A Service that gains endpoints must
+        // get its DNAT before its REJECT goes, and one that loses them its REJECT before its
+        // DNAT goes (see PITFALLS: a SYN in between is forwarded un-NATed).
+        let input = if changes.gained_endpoints {
+            format!("{nat_section}{filter_section}")
+        } else {
+            format!("{filter_section}{nat_section}")
+        };
+        if !input.is_empty() {
+            self.ipt.restore(&input).map_err(SyncError::Restore)?;
+        }
+        report.operations = restore_operations(&input);
+        report.tables = rules_written(&input);
+        self.applied = Some(Applied { ctx, filter });
+        Ok(report)
+    }
+
+    /// Renders what changed (everything on a full sync) into the cache, noting in `changes`
+    /// what that means for the fixed chains. The work is proportional to the number of
+    /// changed service ports, except for cheap comparisons of the others. Returns every
+    /// service port in order, with whether its chains are to be rewritten.
+    fn render_service_ports<'s>(
+        &mut self,
+        state: &'s ProxyState,
+        ctx: &RenderContext,
+        full: bool,
+        changes: &mut Changes,
+        report: &mut SyncReport,
+    ) -> Vec<(&'s ServicePortName, bool)> {
         let mut old = std::mem::take(&mut self.services);
         let mut order: Vec<(&ServicePortName, bool)> = Vec::with_capacity(state.service_ports.len());
-        let mut gained_endpoints = false;
-        // Whether the content of the fixed chains changed, and the chains we stopped using.
-        let (mut services_changed, mut nodeports_changed, mut filter_changed) = (false, false, false);
-        let mut stale: Vec<String> = Vec::new();
         for sps in &state.service_ports {
             let key = &sps.port.name;
             let previous = old.remove(key);
@@ -164,28 +230,13 @@ impl<I: Iptables> IptablesProxier<I> {
             let cached = match previous {
                 Some(p) if reuse => p,
                 previous => {
-                    let fragment = render_service(sps, &ctx);
+                    let fragment = render_service(sps, ctx);
                     match &previous {
                         Some(p) => {
-                            gained_endpoints |= fragment.has_endpoints && !p.fragment.has_endpoints;
                             report.udp_endpoints_removed |= p.state.loses_udp_endpoints_to(sps);
-                            services_changed |= p.fragment.services_rules != fragment.services_rules;
-                            nodeports_changed |= p.fragment.nodeports_rules != fragment.nodeports_rules;
-                            filter_changed |= p.fragment.filter_rules != fragment.filter_rules;
-                            stale.extend(
-                                p.fragment
-                                    .chains
-                                    .iter()
-                                    .filter(|c| !fragment.chains.contains(c))
-                                    .cloned(),
-                            );
+                            changes.replaced(&p.fragment, &fragment);
                         }
-                        None => {
-                            gained_endpoints |= fragment.has_endpoints;
-                            services_changed |= !fragment.services_rules.is_empty();
-                            nodeports_changed |= !fragment.nodeports_rules.is_empty();
-                            filter_changed |= !fragment.filter_rules.is_empty();
-                        }
+                        None => changes.added(&fragment),
                     }
                     CachedService {
                         state: sps.clone(),
@@ -199,124 +250,9 @@ impl<I: Iptables> IptablesProxier<I> {
         // Service ports that are gone.
         for gone in old.values() {
             report.udp_endpoints_removed |= gone.state.port.protocol == crate::model::Protocol::Udp;
-            services_changed |= !gone.fragment.services_rules.is_empty();
-            nodeports_changed |= !gone.fragment.nodeports_rules.is_empty();
-            filter_changed |= !gone.fragment.filter_rules.is_empty();
-            stale.extend(gone.fragment.chains.iter().cloned());
+            changes.removed(&gone.fragment);
         }
-        report.rewritten_services = order.iter().filter(|(_, changed)| *changed).count();
-        let fragments: Vec<(&ServiceFragment, bool)> = order
-            .iter()
-            .map(|(k, changed)| (&self.services[*k].fragment, *changed))
-            .collect();
-
-        let prev = if full { None } else { self.applied.take() };
-        let write_filter = prev.is_none() || filter_changed;
-        let write_services = prev.is_none() || services_changed;
-        let write_nodeports = prev.is_none() || nodeports_changed;
-        let write_masq = prev.is_none();
-        let filter = if write_filter {
-            filter_section(&ctx, fragments.iter().map(|(f, _)| *f))
-        } else {
-            prev.as_ref().map(|a| a.filter.clone()).unwrap_or_default()
-        };
-        let masquerade = masquerade_rules(&ctx);
-
-        if by_replacing {
-            let (report, applied) = replace_tables(
-                &mut self.ipt, &ctx, &filter, &masquerade, &fragments, gained_endpoints, report,
-            )?;
-            self.applied = Some(applied);
-            return Ok(report);
-        }
-
-        // On a full sync, delete whatever the kernel has that we do not use (rules left by an
-        // earlier run, ours or upstream's).
-        if prev.is_none() {
-            let saved = self.ipt.save("nat").map_err(SyncError::Save)?;
-            let active: HashSet<&str> = fragments
-                .iter()
-                .flat_map(|(f, _)| f.chains.iter().map(String::as_str))
-                .collect();
-            stale = existing_chains(&saved)
-                .into_iter()
-                .filter(|c| is_service_chain(c) && !active.contains(c.as_str()))
-                .collect();
-        }
-        stale.sort();
-        stale.dedup();
-        report.removed_objects = stale.len();
-
-        let mut nat = String::new();
-        let mut declared = 0usize;
-        let mut declare = |nat: &mut String, c: &str| {
-            let _ = writeln!(nat, ":{c} - [0:0]");
-            declared += 1;
-        };
-        for (c, write) in [
-            (KUBE_SERVICES, write_services),
-            (KUBE_NODEPORTS, write_nodeports),
-            (KUBE_POSTROUTING, write_masq),
-            (KUBE_MARK_MASQ, write_masq),
-        ] {
-            if write {
-                declare(&mut nat, c);
-            }
-        }
-        for (f, changed) in &fragments {
-            if *changed {
-                for c in &f.chains {
-                    declare(&mut nat, c);
-                }
-            }
-        }
-        for c in &stale {
-            declare(&mut nat, c);
-        }
-        let mut rules = String::new();
-        if write_masq {
-            rules.push_str(&masquerade);
-        }
-        // Upstream's order: each service's KUBE-SERVICES and KUBE-NODEPORTS lines, then its chains.
-        for (f, changed) in &fragments {
-            if write_services {
-                rules.push_str(&f.services_rules);
-            }
-            if write_nodeports {
-                rules.push_str(&f.nodeports_rules);
-            }
-            if *changed {
-                rules.push_str(&f.chain_rules);
-            }
-        }
-        if write_services {
-            rules.push_str(&nodeports_tail(&ctx));
-        }
-        for c in &stale {
-            let _ = writeln!(rules, "-X {c}");
-        }
-
-        let nat_section = if declared > 0 {
-            format!("*nat\n{nat}{rules}COMMIT\n")
-        } else {
-            String::new()
-        };
-        let filter_section = if write_filter { filter.as_str() } else { "" };
-        // iptables-restore commits each table on its own. A Service that gains endpoints must
-        // get its DNAT before its REJECT goes, and one that loses them its REJECT before its
-        // DNAT goes (see PITFALLS: a SYN in between is forwarded un-NATed).
-        let input = if gained_endpoints {
-            format!("{nat_section}{filter_section}")
-        } else {
-            format!("{filter_section}{nat_section}")
-        };
-        if !input.is_empty() {
-            self.ipt.restore(&input).map_err(SyncError::Restore)?;
-        }
-        report.operations = restore_operations(&input);
-        report.tables = rules_written(&input);
-        self.applied = Some(Applied { ctx, filter });
-        Ok(report)
+        order
     }
 
     /// The rules we own in filter and nat after a successful sync, with what `written` says
@@ -362,6 +298,134 @@ impl<I: Iptables> IptablesProxier<I> {
     }
 }
 
+/// What the service ports rendered in one sync change besides their own chains.
+#[derive(Default)]
+struct Changes {
+    /// A service port has endpoints that had none (or is new with endpoints).
+    gained_endpoints: bool,
+    /// The content of nat KUBE-SERVICES, nat KUBE-NODEPORTS and the filter table changed.
+    services_changed: bool,
+    nodeports_changed: bool,
+    filter_changed: bool,
+    /// The chains we stopped using.
+    stale: Vec<String>,
+}
+
+impl Changes {
+    /// A service port's fragment `old` was rendered again as `new`.
+    fn replaced(&mut self, old: &ServiceFragment, new: &ServiceFragment) {
+        self.gained_endpoints |= new.has_endpoints && !old.has_endpoints;
+        self.services_changed |= old.services_rules != new.services_rules;
+        self.nodeports_changed |= old.nodeports_rules != new.nodeports_rules;
+        self.filter_changed |= old.filter_rules != new.filter_rules;
+        self.stale
+            .extend(old.chains.iter().filter(|c| !new.chains.contains(c)).cloned());
+    }
+
+    /// A new service port.
+    fn added(&mut self, new: &ServiceFragment) {
+        self.gained_endpoints |= new.has_endpoints;
+        self.services_changed |= !new.services_rules.is_empty();
+        self.nodeports_changed |= !new.nodeports_rules.is_empty();
+        self.filter_changed |= !new.filter_rules.is_empty();
+    }
+
+    /// A service port that is gone.
+    fn removed(&mut self, old: &ServiceFragment) {
+        self.services_changed |= !old.services_rules.is_empty();
+        self.nodeports_changed |= !old.nodeports_rules.is_empty();
+        self.filter_changed |= !old.filter_rules.is_empty();
+        self.stale.extend(old.chains.iter().cloned());
+    }
+}
+
+/// Which fixed parts a `--noflush` sync writes.
+struct Writes {
+    filter: bool,
+    /// nat KUBE-SERVICES (and its NodePort tail).
+    services: bool,
+    /// nat KUBE-NODEPORTS.
+    nodeports: bool,
+    /// nat KUBE-POSTROUTING and KUBE-MARK-MASQ.
+    masquerade: bool,
+}
+
+/// The per-service chains in `iptables-save` output (`saved`) that no fragment uses.
+fn unused_service_chains(saved: &str, fragments: &[(&ServiceFragment, bool)]) -> Vec<String> {
+    let active: HashSet<&str> = fragments
+        .iter()
+        .flat_map(|(f, _)| f.chains.iter().map(String::as_str))
+        .collect();
+    existing_chains(saved)
+        .into_iter()
+        .filter(|c| is_service_chain(c) && !active.contains(c.as_str()))
+        .collect()
+}
+
+/// The `*nat` part of a `--noflush` restore: the fixed chains in `write`, the chains of the
+/// changed service ports, and the deletion of `stale` ones; empty when it declares nothing.
+fn noflush_nat_section(
+    ctx: &RenderContext,
+    fragments: &[(&ServiceFragment, bool)],
+    write: &Writes,
+    masquerade: &str,
+    stale: &[String],
+) -> String {
+    let mut nat = String::new();
+    let mut declared = 0usize;
+    let mut declare = |nat: &mut String, c: &str| {
+        let _ = writeln!(nat, ":{c} - [0:0]");
+        declared += 1;
+    };
+    for (c, write) in [
+        (KUBE_SERVICES, write.services),
+        (KUBE_NODEPORTS, write.nodeports),
+        (KUBE_POSTROUTING, write.masquerade),
+        (KUBE_MARK_MASQ, write.masquerade),
+    ] {
+        if write {
+            declare(&mut nat, c);
+        }
+    }
+    for (f, changed) in fragments {
+        if *changed {
+            for c in &f.chains {
+                declare(&mut nat, c);
+            }
+        }
+    }
+    for c in stale {
+        declare(&mut nat, c);
+    }
+    let mut rules = String::new();
+    if write.masquerade {
+        rules.push_str(masquerade);
+    }
+    // Upstream's order: each service's KUBE-SERVICES and KUBE-NODEPORTS lines, then its chains.
+    for (f, changed) in fragments {
+        if write.services {
+            rules.push_str(&f.services_rules);
+        }
+        if write.nodeports {
+            rules.push_str(&f.nodeports_rules);
+        }
+        if *changed {
+            rules.push_str(&f.chain_rules);
+        }
+    }
+    if write.services {
+        rules.push_str(&nodeports_tail(ctx));
+    }
+    for c in stale {
+        let _ = writeln!(rules, "-X {c}");
+    }
+    if declared > 0 {
+        format!("*nat\n{nat}{rules}COMMIT\n")
+    } else {
+        String::new()
+    }
+}
+
 /// A full sync by whole-table replacement (see [`REPLACE_TABLES_ABOVE_CHAINS`]).
 fn replace_tables<I: Iptables>(
     ipt: &mut I,
@@ -372,23 +436,7 @@ fn replace_tables<I: Iptables>(
     gained_endpoints: bool,
     mut report: SyncReport,
 ) -> Result<(SyncReport, Applied), SyncError> {
-    let mut nat = String::from("*nat\n");
-    for c in [KUBE_SERVICES, KUBE_NODEPORTS, KUBE_POSTROUTING, KUBE_MARK_MASQ] {
-        let _ = writeln!(nat, ":{c} - [0:0]");
-    }
-    for (f, _) in fragments {
-        for c in &f.chains {
-            let _ = writeln!(nat, ":{c} - [0:0]");
-        }
-    }
-    nat.push_str(masquerade);
-    for (f, _) in fragments {
-        nat.push_str(&f.services_rules);
-        nat.push_str(&f.nodeports_rules);
-        nat.push_str(&f.chain_rules);
-    }
-    nat.push_str(&nodeports_tail(ctx));
-    nat.push_str("COMMIT\n");
+    let nat = nat_section(ctx, masquerade, fragments.iter().map(|(f, _)| *f));
     let jumps = jump_rules();
     let saved_nat = ipt.save_counters("nat").map_err(SyncError::Save)?;
     let saved_filter = ipt.save_counters("filter").map_err(SyncError::Save)?;

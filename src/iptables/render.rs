@@ -12,7 +12,9 @@ use std::net::IpAddr;
 use super::names::{self, *};
 use super::{JumpRule, Ruleset};
 use crate::config::ProxyConfig;
-use crate::model::{Endpoint, IpFamily, NodeInfo, ProxyState, ServicePort, ServicePortState, categorize_endpoints};
+use crate::model::{
+    Endpoint, EndpointSets, IpFamily, NodeInfo, NodeTopology, ProxyState, ServicePort, ServicePortState,
+};
 use crate::proxy::{NodePortAddresses, RenderOptions, local_addresses};
 
 /// Above this many endpoints upstream drops per-endpoint comments to keep the ruleset small.
@@ -87,8 +89,8 @@ pub fn masquerade_mark(bit: u8) -> String {
 pub struct RenderContext {
     pub opts: IptablesRenderOptions,
     pub family: IpFamily,
-    pub node_name: String,
-    pub zone: Option<String>,
+    /// What decides which endpoints each service port uses on this node.
+    pub topology: NodeTopology,
     /// The node's primary IP of this family (for the "allow from the node" firewall rule).
     pub node_ip: Option<IpAddr>,
     pub node_port_addresses: NodePortAddresses,
@@ -100,7 +102,8 @@ pub struct RenderContext {
     pub local_addresses: Vec<IpAddr>,
     mark: String,
     if_local: String,
-    if_not_local: String,
+    /// [`cluster_ip_masquerade`] of the options.
+    cluster_ip_masquerade: Option<String>,
 }
 
 impl RenderContext {
@@ -112,8 +115,7 @@ impl RenderContext {
         let total_endpoints: usize = state.service_ports.iter().map(|s| s.endpoints.len()).sum();
         RenderContext {
             family,
-            node_name: state.node.name.clone(),
-            zone: state.node.zone().map(str::to_string),
+            topology: NodeTopology::new(&state.node, opts.common.prefer_same_node),
             node_ip,
             node_port_addresses: npa,
             localhost_node_ports,
@@ -121,7 +123,7 @@ impl RenderContext {
             local_addresses: local_addresses(state),
             mark: masquerade_mark(opts.common.masquerade_bit),
             if_local: opts.common.local_detector.if_local().join(" "),
-            if_not_local: opts.common.local_detector.if_not_local().join(" "),
+            cluster_ip_masquerade: cluster_ip_masquerade(&opts.common),
             opts: opts.clone(),
         }
     }
@@ -147,115 +149,180 @@ pub struct ServiceFragment {
 
 /// Renders the rules of one service port. The order of lines is upstream's.
 pub fn render_service(sps: &ServicePortState, ctx: &RenderContext) -> ServiceFragment {
-    let opts = &ctx.opts;
-    let svc = &sps.port;
-    let proto = svc.protocol.lower();
-    let name = svc.name.to_string();
-    let chains = names::service_port_chains(&name, proto);
-    let port = svc.port;
-    let sets = categorize_endpoints(
-        &sps.endpoints,
-        svc,
-        &ctx.node_name,
-        ctx.zone.as_deref(),
-        opts.common.prefer_same_node,
-    );
-    let has_endpoints = sets.has_any;
-    let uses_cluster_chain = !sets.cluster.is_empty() && svc.uses_cluster_endpoints();
-    let uses_local_chain = !sets.local.is_empty() && svc.uses_local_endpoints();
+    let r = ServiceRules::new(sps, ctx);
     let mut f = ServiceFragment {
-        has_endpoints,
+        has_endpoints: r.sets.has_any,
         ..ServiceFragment::default()
     };
+    // The dispatch to the service's chains (or its REJECT/DROP), per kind of address.
+    r.cluster_ip(&mut f);
+    r.external_ips(&mut f);
+    r.load_balancer_ips(&mut f);
+    r.node_port(&mut f);
+    r.health_check_node_port(&mut f);
+    // The service's own chains.
+    r.internal_masquerade(&mut f);
+    r.external_chain(&mut f);
+    r.firewall_chain(&mut f);
+    r.service_chains(&mut f);
+    r.endpoint_chains(&mut f);
+    f
+}
 
-    let (internal_chain, has_internal) = if svc.internal_policy_local {
-        (&chains.local, !sets.local.is_empty())
-    } else {
-        (&chains.cluster, has_endpoints)
-    };
-    let (external_policy_chain, has_external) = if svc.external_policy_local {
-        (&chains.local, !sets.local.is_empty())
-    } else {
-        (&chains.cluster, has_endpoints)
-    };
-    let external_chain = &chains.external;
-    let uses_external_chain = has_endpoints && svc.externally_accessible();
-    let uses_fw_chain =
-        has_endpoints && !svc.load_balancer_vips.is_empty() && !svc.load_balancer_source_ranges.is_empty();
-    let lb_chain = if uses_fw_chain {
-        &chains.firewall
-    } else {
-        external_chain
-    };
+/// One service port being rendered: its names, its endpoints, and which of its chains its
+/// traffic goes through.
+struct ServiceRules<'a> {
+    ctx: &'a RenderContext,
+    svc: &'a ServicePort,
+    /// `ns/svc:port`, as the comments spell it.
+    name: String,
+    proto: &'static str,
+    chains: ServicePortChains,
+    sets: EndpointSets,
+    /// Internal (ClusterIP) traffic has endpoints under its traffic policy.
+    has_internal: bool,
+    /// External traffic has endpoints under its traffic policy.
+    has_external: bool,
+    /// The KUBE-FW chain filters load-balancer traffic by loadBalancerSourceRanges.
+    uses_fw_chain: bool,
+    /// What filter does with internal traffic that has no endpoints: (target, comment).
+    internal_filter: Option<(&'static str, String)>,
+    /// The same for external traffic.
+    external_filter: Option<(&'static str, String)>,
+}
 
-    // What filter does with traffic that has no endpoints to go to.
-    let no_endpoints = format!("\"{name} has no endpoints\"");
-    let no_local = format!("\"{name} has no local endpoints\"");
-    let (internal_filter, external_filter) = if !has_endpoints {
-        (Some(("REJECT", &no_endpoints)), Some(("REJECT", &no_endpoints)))
-    } else {
-        (
-            (!has_internal).then_some(("DROP", &no_local)),
-            (!has_external).then_some(("DROP", &no_local)),
-        )
-    };
-
-    let cluster_ip = svc.cluster_ip;
-    match internal_filter {
-        None => line!(
-            f.services_rules,
-            "-A {KUBE_SERVICES} -m comment --comment \"{name} cluster IP\" -m {proto} -p {proto} -d {cluster_ip} --dport {port} -j {internal_chain}"
-        ),
-        Some((target, comment)) => line!(
-            f.filter_rules,
-            "-A {KUBE_SERVICES} -m comment --comment {comment} -m {proto} -p {proto} -d {cluster_ip} --dport {port} -j {target}"
-        ),
+impl<'a> ServiceRules<'a> {
+    fn new(sps: &'a ServicePortState, ctx: &'a RenderContext) -> ServiceRules<'a> {
+        let svc = &sps.port;
+        let proto = svc.protocol.lower();
+        let name = svc.name.to_string();
+        let chains = names::service_port_chains(&name, proto);
+        let sets = ctx.topology.endpoint_sets(sps);
+        let has_endpoints = sets.has_any;
+        let has_internal = sets.has_for_policy(svc.internal_policy_local);
+        let has_external = sets.has_for_policy(svc.external_policy_local);
+        let uses_fw_chain =
+            has_endpoints && !svc.load_balancer_vips.is_empty() && !svc.load_balancer_source_ranges.is_empty();
+        let no_endpoints = format!("\"{name} has no endpoints\"");
+        let no_local = format!("\"{name} has no local endpoints\"");
+        let (internal_filter, external_filter) = if !has_endpoints {
+            (Some(("REJECT", no_endpoints.clone())), Some(("REJECT", no_endpoints)))
+        } else {
+            (
+                (!has_internal).then(|| ("DROP", no_local.clone())),
+                (!has_external).then_some(("DROP", no_local)),
+            )
+        };
+        ServiceRules {
+            ctx,
+            svc,
+            name,
+            proto,
+            chains,
+            sets,
+            has_internal,
+            has_external,
+            uses_fw_chain,
+            internal_filter,
+            external_filter,
+        }
     }
 
-    for ext in &svc.external_ips {
-        if has_endpoints {
-            line!(
+    fn has_endpoints(&self) -> bool {
+        self.sets.has_any
+    }
+
+    /// KUBE-SVL for a Local policy, KUBE-SVC for Cluster.
+    fn policy_chain(&self, policy_local: bool) -> &str {
+        if policy_local {
+            &self.chains.local
+        } else {
+            &self.chains.cluster
+        }
+    }
+
+    fn internal_chain(&self) -> &str {
+        self.policy_chain(self.svc.internal_policy_local)
+    }
+
+    /// Where load-balancer traffic goes first: the firewall chain when source ranges apply.
+    fn load_balancer_chain(&self) -> &str {
+        if self.uses_fw_chain {
+            &self.chains.firewall
+        } else {
+            &self.chains.external
+        }
+    }
+
+    fn cluster_ip(&self, f: &mut ServiceFragment) {
+        let (name, proto, port, cluster_ip) = (&self.name, self.proto, self.svc.port, self.svc.cluster_ip);
+        match &self.internal_filter {
+            None => line!(
                 f.services_rules,
-                "-A {KUBE_SERVICES} -m comment --comment \"{name} external IP\" -m {proto} -p {proto} -d {ext} --dport {port} -j {external_chain}"
-            );
-        }
-        if let Some((target, comment)) = external_filter {
-            line!(
+                "-A {KUBE_SERVICES} -m comment --comment \"{name} cluster IP\" -m {proto} -p {proto} -d {cluster_ip} --dport {port} -j {}",
+                self.internal_chain()
+            ),
+            Some((target, comment)) => line!(
                 f.filter_rules,
-                "-A {KUBE_EXTERNAL_SERVICES} -m comment --comment {comment} -m {proto} -p {proto} -d {ext} --dport {port} -j {target}"
-            );
+                "-A {KUBE_SERVICES} -m comment --comment {comment} -m {proto} -p {proto} -d {cluster_ip} --dport {port} -j {target}"
+            ),
         }
     }
 
-    for lb in &svc.load_balancer_vips {
-        if has_endpoints {
-            line!(
-                f.services_rules,
-                "-A {KUBE_SERVICES} -m comment --comment \"{name} loadbalancer IP\" -m {proto} -p {proto} -d {lb} --dport {port} -j {lb_chain}"
-            );
-        }
-        if uses_fw_chain {
-            line!(
-                f.filter_rules,
-                "-A {KUBE_PROXY_FIREWALL} -m comment --comment \"{name} traffic not accepted by {fw}\" -m {proto} -p {proto} -d {lb} --dport {port} -j DROP",
-                fw = chains.firewall
-            );
-        }
-    }
-    if let Some((target, comment)) = external_filter {
-        for lb in &svc.load_balancer_vips {
-            line!(
-                f.filter_rules,
-                "-A {KUBE_EXTERNAL_SERVICES} -m comment --comment {comment} -m {proto} -p {proto} -d {lb} --dport {port} -j {target}"
-            );
+    fn external_ips(&self, f: &mut ServiceFragment) {
+        let (name, proto, port, external_chain) = (&self.name, self.proto, self.svc.port, &self.chains.external);
+        for ext in &self.svc.external_ips {
+            if self.has_endpoints() {
+                line!(
+                    f.services_rules,
+                    "-A {KUBE_SERVICES} -m comment --comment \"{name} external IP\" -m {proto} -p {proto} -d {ext} --dport {port} -j {external_chain}"
+                );
+            }
+            if let Some((target, comment)) = &self.external_filter {
+                line!(
+                    f.filter_rules,
+                    "-A {KUBE_EXTERNAL_SERVICES} -m comment --comment {comment} -m {proto} -p {proto} -d {ext} --dport {port} -j {target}"
+                );
+            }
         }
     }
 
-    // NodePorts are not subject to loadBalancerSourceRanges (upstream behaviour).
-    let node_port = svc.node_port;
-    if node_port != 0 {
-        if has_endpoints {
-            if ctx.localhost_node_ports && opts.nfacct {
+    fn load_balancer_ips(&self, f: &mut ServiceFragment) {
+        let (name, proto, port, lb_chain) = (&self.name, self.proto, self.svc.port, self.load_balancer_chain());
+        for lb in &self.svc.load_balancer_vips {
+            if self.has_endpoints() {
+                line!(
+                    f.services_rules,
+                    "-A {KUBE_SERVICES} -m comment --comment \"{name} loadbalancer IP\" -m {proto} -p {proto} -d {lb} --dport {port} -j {lb_chain}"
+                );
+            }
+            if self.uses_fw_chain {
+                line!(
+                    f.filter_rules,
+                    "-A {KUBE_PROXY_FIREWALL} -m comment --comment \"{name} traffic not accepted by {fw}\" -m {proto} -p {proto} -d {lb} --dport {port} -j DROP",
+                    fw = self.chains.firewall
+                );
+            }
+        }
+        if let Some((target, comment)) = &self.external_filter {
+            for lb in &self.svc.load_balancer_vips {
+                line!(
+                    f.filter_rules,
+                    "-A {KUBE_EXTERNAL_SERVICES} -m comment --comment {comment} -m {proto} -p {proto} -d {lb} --dport {port} -j {target}"
+                );
+            }
+        }
+    }
+
+    /// NodePorts are not subject to loadBalancerSourceRanges (upstream behaviour).
+    fn node_port(&self, f: &mut ServiceFragment) {
+        let (name, proto, node_port, external_chain) =
+            (&self.name, self.proto, self.svc.node_port, &self.chains.external);
+        if node_port == 0 {
+            return;
+        }
+        if self.has_endpoints() {
+            if self.ctx.localhost_node_ports && self.ctx.opts.nfacct {
                 line!(
                     f.nodeports_rules,
                     "-A {KUBE_NODEPORTS} -m comment --comment {name} -m {proto} -p {proto} -d 127.0.0.0/8 --dport {node_port} -m nfacct --nfacct-name {NFACCT_LOCALHOST_NODEPORTS} -j {external_chain}"
@@ -266,7 +333,7 @@ pub fn render_service(sps: &ServicePortState, ctx: &RenderContext) -> ServiceFra
                 "-A {KUBE_NODEPORTS} -m comment --comment {name} -m {proto} -p {proto} --dport {node_port} -j {external_chain}"
             );
         }
-        if let Some((target, comment)) = external_filter {
+        if let Some((target, comment)) = &self.external_filter {
             line!(
                 f.filter_rules,
                 "-A {KUBE_EXTERNAL_SERVICES} -m comment --comment {comment} -m addrtype --dst-type LOCAL -m {proto} -p {proto} --dport {node_port} -j {target}"
@@ -274,35 +341,41 @@ pub fn render_service(sps: &ServicePortState, ctx: &RenderContext) -> ServiceFra
         }
     }
 
-    // Health-check node ports are accepted whether or not the node has local endpoints.
-    let hc = svc.health_check_node_port;
-    if hc != 0 {
-        line!(
-            f.filter_rules,
-            "-A {KUBE_NODEPORTS} -m comment --comment \"{name} health check node port\" -m tcp -p tcp --dport {hc} -j ACCEPT"
-        );
-    }
-
-    let rules = &mut f.chain_rules;
-    if has_internal {
-        let cluster_ip_match =
-            format!("-m comment --comment \"{name} cluster IP\" -m {proto} -p {proto} -d {cluster_ip} --dport {port}");
-        if opts.common.masquerade_all {
-            line!(rules, "-A {internal_chain} {cluster_ip_match} -j {KUBE_MARK_MASQ}");
-        } else if opts.common.local_detector.is_implemented() {
-            // Off-cluster traffic to a ClusterIP may bounce off-node: masquerade it.
+    /// Health-check node ports are accepted whether or not the node has local endpoints.
+    fn health_check_node_port(&self, f: &mut ServiceFragment) {
+        let (name, hc) = (&self.name, self.svc.health_check_node_port);
+        if hc != 0 {
             line!(
-                rules,
-                "-A {internal_chain} {cluster_ip_match} {} -j {KUBE_MARK_MASQ}",
-                ctx.if_not_local
+                f.filter_rules,
+                "-A {KUBE_NODEPORTS} -m comment --comment \"{name} health check node port\" -m tcp -p tcp --dport {hc} -j ACCEPT"
             );
         }
     }
 
-    if uses_external_chain {
+    /// The masquerade rule at the top of the chain ClusterIP traffic goes to.
+    fn internal_masquerade(&self, f: &mut ServiceFragment) {
+        if !self.has_internal {
+            return;
+        }
+        let (name, proto, port, cluster_ip) = (&self.name, self.proto, self.svc.port, self.svc.cluster_ip);
+        if let Some(matches) = &self.ctx.cluster_ip_masquerade {
+            line!(
+                f.chain_rules,
+                "-A {} -m comment --comment \"{name} cluster IP\" -m {proto} -p {proto} -d {cluster_ip} --dport {port}{matches} -j {KUBE_MARK_MASQ}",
+                self.internal_chain()
+            );
+        }
+    }
+
+    /// KUBE-EXT: what NodePort, externalIP and load-balancer traffic goes through.
+    fn external_chain(&self, f: &mut ServiceFragment) {
+        if !(self.has_endpoints() && self.svc.externally_accessible()) {
+            return;
+        }
+        let (name, external_chain, cluster_chain) = (&self.name, &self.chains.external, &self.chains.cluster);
         f.chains.push(external_chain.clone());
-        let cluster_chain = &chains.cluster;
-        if !svc.external_policy_local {
+        let rules = &mut f.chain_rules;
+        if !self.svc.external_policy_local {
             // Endpoints may be on other nodes: masquerade so replies come back through us.
             line!(
                 rules,
@@ -311,11 +384,11 @@ pub fn render_service(sps: &ServicePortState, ctx: &RenderContext) -> ServiceFra
         } else {
             // Pod traffic to an external address behaves as if it went out to the load
             // balancer and came back: subject to no traffic policy.
-            if opts.common.local_detector.is_implemented() {
+            if self.ctx.opts.common.local_detector.is_implemented() {
                 line!(
                     rules,
                     "-A {external_chain} -m comment --comment \"pod traffic for {name} external destinations\" {} -j {cluster_chain}",
-                    ctx.if_local
+                    self.ctx.if_local
                 );
             }
             line!(
@@ -327,25 +400,34 @@ pub fn render_service(sps: &ServicePortState, ctx: &RenderContext) -> ServiceFra
                 "-A {external_chain} -m comment --comment \"route LOCAL traffic for {name} external destinations\" -m addrtype --src-type LOCAL -j {cluster_chain}"
             );
         }
-        if has_external {
-            line!(rules, "-A {external_chain} -j {external_policy_chain}");
+        if self.has_external {
+            line!(
+                rules,
+                "-A {external_chain} -j {}",
+                self.policy_chain(self.svc.external_policy_local)
+            );
         }
     }
 
-    if uses_fw_chain {
-        let fw = &chains.firewall;
+    /// KUBE-FW: loadBalancerSourceRanges.
+    fn firewall_chain(&self, f: &mut ServiceFragment) {
+        if !self.uses_fw_chain {
+            return;
+        }
+        let (name, fw, external_chain) = (&self.name, &self.chains.firewall, &self.chains.external);
         f.chains.push(fw.clone());
+        let rules = &mut f.chain_rules;
         let mut allow_from_node = false;
-        for cidr in &svc.load_balancer_source_ranges {
+        for cidr in &self.svc.load_balancer_source_ranges {
             line!(
                 rules,
                 "-A {fw} -m comment --comment \"{name} loadbalancer IP\" -s {cidr} -j {external_chain}"
             );
-            allow_from_node |= ctx.node_ip.is_some_and(|ip| cidr.contains(&ip));
+            allow_from_node |= self.ctx.node_ip.is_some_and(|ip| cidr.contains(&ip));
         }
         // A VIP bound locally makes node→VIP traffic loop back with the VIP as source.
         if allow_from_node {
-            for lb in &svc.load_balancer_vips {
+            for lb in &self.svc.load_balancer_vips {
                 line!(
                     rules,
                     "-A {fw} -m comment --comment \"{name} loadbalancer IP\" -s {lb} -j {external_chain}"
@@ -358,36 +440,48 @@ pub fn render_service(sps: &ServicePortState, ctx: &RenderContext) -> ServiceFra
         );
     }
 
-    if uses_cluster_chain {
-        f.chains.push(chains.cluster.clone());
-        write_service_to_endpoint_rules(rules, &name, svc, &chains.cluster, &sets.cluster, ctx.large_cluster);
-    }
-    if uses_local_chain {
-        f.chains.push(chains.local.clone());
-        write_service_to_endpoint_rules(rules, &name, svc, &chains.local, &sets.local, ctx.large_cluster);
+    /// KUBE-SVC and KUBE-SVL: the choice of an endpoint, for Cluster and Local traffic.
+    fn service_chains(&self, f: &mut ServiceFragment) {
+        let (svc, sets, large) = (self.svc, &self.sets, self.ctx.large_cluster);
+        if !sets.cluster.is_empty() && svc.uses_cluster_endpoints() {
+            f.chains.push(self.chains.cluster.clone());
+            write_service_to_endpoint_rules(
+                &mut f.chain_rules, &self.name, svc, &self.chains.cluster, &sets.cluster, large,
+            );
+        }
+        if !sets.local.is_empty() && svc.uses_local_endpoints() {
+            f.chains.push(self.chains.local.clone());
+            write_service_to_endpoint_rules(
+                &mut f.chain_rules, &self.name, svc, &self.chains.local, &sets.local, large,
+            );
+        }
     }
 
-    for ep in &sets.all_reachable {
-        let chain = names::endpoint_chain(&name, proto, &ep.to_string());
-        let comment = if ctx.large_cluster {
-            String::new()
-        } else {
-            format!(" -m comment --comment {name}")
-        };
-        // Hairpin: a pod reaching itself through the Service must be masqueraded.
-        line!(rules, "-A {chain}{comment} -s {ip} -j {KUBE_MARK_MASQ}", ip = ep.ip);
-        let affinity = if svc.session_affinity_timeout.is_some() {
-            format!(" -m recent --name {chain} --set")
-        } else {
-            String::new()
-        };
-        line!(
-            rules,
-            "-A {chain}{comment}{affinity} -m {proto} -p {proto} -j DNAT --to-destination {ep}"
-        );
-        f.chains.push(chain);
+    /// KUBE-SEP: one chain per endpoint, DNAT to it.
+    fn endpoint_chains(&self, f: &mut ServiceFragment) {
+        let (name, proto) = (&self.name, self.proto);
+        let rules = &mut f.chain_rules;
+        for ep in &self.sets.all_reachable {
+            let chain = names::endpoint_chain(name, proto, &ep.to_string());
+            let comment = if self.ctx.large_cluster {
+                String::new()
+            } else {
+                format!(" -m comment --comment {name}")
+            };
+            // Hairpin: a pod reaching itself through the Service must be masqueraded.
+            line!(rules, "-A {chain}{comment} -s {ip} -j {KUBE_MARK_MASQ}", ip = ep.ip);
+            let affinity = if self.svc.session_affinity_timeout.is_some() {
+                format!(" -m recent --name {chain} --set")
+            } else {
+                String::new()
+            };
+            line!(
+                rules,
+                "-A {chain}{comment}{affinity} -m {proto} -p {proto} -j DNAT --to-destination {ep}"
+            );
+            f.chains.push(chain);
+        }
     }
-    f
 }
 
 /// The fixed chains of each table, in upstream's declaration order.
@@ -424,7 +518,29 @@ pub fn filter_section<'a>(ctx: &RenderContext, fragments: impl Iterator<Item = &
         };
         line!(s, "-A {KUBE_FORWARD} -m conntrack --ctstate INVALID{nfacct} -j DROP");
     }
-    // Forward what we marked even when the FORWARD policy is DROP, and the rest of its flow.
+    s.push_str(&forward_rules(mark));
+    s.push_str("COMMIT\n");
+    s
+}
+
+/// What ClusterIP traffic is masqueraded, as the matches that follow the ClusterIP's own:
+/// all of it with masqueradeAll (no more matches), traffic from outside the cluster with a
+/// local-traffic detector (the detector's "not local" matches, after a space, since it may
+/// bounce off-node), and none of it without one (`None`). IPVS mode decides the same.
+pub fn cluster_ip_masquerade(common: &RenderOptions) -> Option<String> {
+    if common.masquerade_all {
+        Some(String::new())
+    } else if common.local_detector.is_implemented() {
+        Some(format!(" {}", common.local_detector.if_not_local().join(" ")))
+    } else {
+        None
+    }
+}
+
+/// The rules of filter KUBE-FORWARD after the INVALID drop (IPVS mode writes the same): what
+/// we marked is forwarded even when the FORWARD policy is DROP, and so is the rest of its flow.
+pub fn forward_rules(mark: &str) -> String {
+    let mut s = String::new();
     line!(
         s,
         "-A {KUBE_FORWARD} -m comment --comment \"kubernetes forwarding rules\" -m mark --mark {mark}/{mark} -j ACCEPT"
@@ -433,18 +549,22 @@ pub fn filter_section<'a>(ctx: &RenderContext, fragments: impl Iterator<Item = &
         s,
         "-A {KUBE_FORWARD} -m comment --comment \"kubernetes forwarding conntrack rule\" -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT"
     );
-    s.push_str("COMMIT\n");
     s
 }
 
 /// Rules of nat KUBE-POSTROUTING and KUBE-MARK-MASQ.
 pub fn masquerade_rules(ctx: &RenderContext) -> String {
-    let mark = &ctx.mark;
+    postrouting_rules(&ctx.mark, ctx.opts.random_fully)
+}
+
+/// Rules of nat KUBE-POSTROUTING and KUBE-MARK-MASQ for the mark `mark` (IPVS mode writes the
+/// same): marked packets are masqueraded (`--random-fully` when iptables supports it).
+pub fn postrouting_rules(mark: &str, random_fully: bool) -> String {
     let mut s = String::new();
     line!(s, "-A {KUBE_POSTROUTING} -m mark ! --mark {mark}/{mark} -j RETURN");
     // Clear the mark so that a packet re-traversing the stack is not masqueraded twice.
     line!(s, "-A {KUBE_POSTROUTING} -j MARK --xor-mark {mark}");
-    let random_fully = if ctx.opts.random_fully { " --random-fully" } else { "" };
+    let random_fully = if random_fully { " --random-fully" } else { "" };
     line!(
         s,
         "-A {KUBE_POSTROUTING} -m comment --comment \"kubernetes service traffic requiring SNAT\" -j MASQUERADE{random_fully}"
@@ -485,6 +605,33 @@ pub fn nodeports_tail(ctx: &RenderContext) -> String {
     s
 }
 
+/// The whole `*nat` section of a full sync: the fixed chains and every service port's, the
+/// `masquerade` rules ([`masquerade_rules`]), then each service port's rules, in order.
+pub fn nat_section<'a>(
+    ctx: &RenderContext,
+    masquerade: &str,
+    fragments: impl Iterator<Item = &'a ServiceFragment> + Clone,
+) -> String {
+    let mut s = String::from("*nat\n");
+    for c in NAT_CHAINS {
+        line!(s, ":{c} - [0:0]");
+    }
+    for f in fragments.clone() {
+        for c in &f.chains {
+            line!(s, ":{c} - [0:0]");
+        }
+    }
+    s.push_str(masquerade);
+    for f in fragments {
+        s.push_str(&f.services_rules);
+        s.push_str(&f.nodeports_rules);
+        s.push_str(&f.chain_rules);
+    }
+    s.push_str(&nodeports_tail(ctx));
+    s.push_str("COMMIT\n");
+    s
+}
+
 /// Renders the full-sync ruleset of one family.
 pub fn render(state: &ProxyState, opts: &IptablesRenderOptions) -> Ruleset {
     let ctx = RenderContext::new(state, opts);
@@ -494,23 +641,7 @@ pub fn render(state: &ProxyState, opts: &IptablesRenderOptions) -> Ruleset {
         .map(|sps| render_service(sps, &ctx))
         .collect();
     let mut restore = filter_section(&ctx, fragments.iter());
-    restore.push_str("*nat\n");
-    for c in NAT_CHAINS {
-        line!(restore, ":{c} - [0:0]");
-    }
-    for f in &fragments {
-        for c in &f.chains {
-            line!(restore, ":{c} - [0:0]");
-        }
-    }
-    restore.push_str(&masquerade_rules(&ctx));
-    for f in &fragments {
-        restore.push_str(&f.services_rules);
-        restore.push_str(&f.nodeports_rules);
-        restore.push_str(&f.chain_rules);
-    }
-    restore.push_str(&nodeports_tail(&ctx));
-    restore.push_str("COMMIT\n");
+    restore.push_str(&nat_section(&ctx, &masquerade_rules(&ctx), fragments.iter()));
     Ruleset {
         family: ctx.family,
         jumps: jump_rules(),
@@ -610,12 +741,22 @@ pub fn jump_rules() -> Vec<JumpRule> {
             args.extend(["-m".into(), "comment".into(), "--comment".into(), comment.into()]);
         }
         args.extend(["-j".into(), target.into()]);
-        // Prepending puts each later rule before the earlier ones of the same chain.
+        out.push(JumpRule { table, chain, args });
+    }
+    inserted_at_the_top(out)
+}
+
+/// `rules`, each ensured in turn by inserting it at the top of its chain, in the order they
+/// end up in each built-in chain: each later rule before the earlier ones of the same chain.
+/// (IPVS mode ensures its jump rules the same way.)
+pub fn inserted_at_the_top(rules: Vec<JumpRule>) -> Vec<JumpRule> {
+    let mut out: Vec<JumpRule> = Vec::with_capacity(rules.len());
+    for rule in rules {
         let pos = out
             .iter()
-            .position(|j| j.table == table && j.chain == chain)
+            .position(|j| j.table == rule.table && j.chain == rule.chain)
             .unwrap_or(out.len());
-        out.insert(pos, JumpRule { table, chain, args });
+        out.insert(pos, rule);
     }
     out
 }

@@ -10,7 +10,8 @@
 //! - the ipsets, with upstream's names, types and entries (and the `ipset restore` input that
 //!   creates them as upstream's ipset utility does);
 //! - the iptables rules that remain in IPVS mode, as the `iptables-restore` input upstream
-//!   writes (nat first, then filter), plus the jump rules it ensures in the built-in chains;
+//!   writes (nat first, then filter), plus the jump rules it ensures in the built-in chains
+//!   (both written by [`super::iptables`] from the sets built here);
 //! - the sysctls and IPVS timeouts set at start.
 //!
 //! [`IpvsRuleset::to_text`] prints it all for `kube-proxy render --proxy-mode=ipvs`: the
@@ -31,12 +32,15 @@ use std::time::Duration;
 
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 
+// The jump rules keep their old path here.
+pub use super::iptables::jump_rules;
+use super::iptables::restore_input;
 use super::names::*;
 use crate::config::ProxyConfig;
 use crate::iptables::JumpRule;
-// IPVS mode programs iptables rules too: their jump rules and mark format are iptables mode's.
-use crate::iptables::render::masquerade_mark;
-use crate::model::{Endpoint, IpFamily, NodeInfo, Protocol, ProxyState, ServicePortName, categorize_endpoints};
+use crate::model::{
+    Endpoint, IpFamily, NodeInfo, NodeTopology, Protocol, ProxyState, ServicePort, ServicePortName, ServicePortState,
+};
 use crate::proxy::{NodePortAddresses, RenderOptions};
 
 /// IPVS service flag: persistence (session affinity).
@@ -440,14 +444,6 @@ impl IpvsRuleset {
     }
 }
 
-/// Appends one line to a restore buffer.
-macro_rules! line {
-    ($buf:expr, $($fmt:tt)*) => {{
-        // Writing to a String cannot fail.
-        let _ = writeln!($buf, $($fmt)*);
-    }};
-}
-
 /// The IANA protocol number: the kernel (and `ipvsadm`) order virtual servers by it.
 fn protocol_number(p: Protocol) -> u8 {
     match p {
@@ -511,15 +507,64 @@ fn destinations(endpoints: &[Endpoint]) -> Vec<IpvsDestination> {
     v
 }
 
-/// What every virtual server of one service port shares.
+/// The node's addresses of the rendered family, as IPVS mode uses them.
+struct NodeAddresses {
+    /// The node's primary IP: source ranges that include it let its VIPs be the source.
+    primary: Option<IpAddr>,
+    /// Upstream's set of node addresses: they keep externalIPs and load-balancer IPs off
+    /// kube-ipvs0, and by default they all carry NodePorts.
+    node: Vec<IpAddr>,
+    /// The addresses NodePort virtual servers go on, sorted.
+    node_ports: Vec<IpAddr>,
+}
+
+impl NodeAddresses {
+    fn new(state: &ProxyState, opts: &IpvsRenderOptions) -> NodeAddresses {
+        let family = state.family;
+        let primary = state.node.primary_ip(family);
+        let npa = NodePortAddresses::new(family, &opts.common.node_port_addresses, primary);
+        let listed = listed_addresses(state, opts, family);
+        let node: Vec<IpAddr> = listed.iter().copied().filter(counts_as_node_address).collect();
+        // With nodePortAddresses, upstream selects from every interface address but loopback (an
+        // IPv6 link-local one too, if a CIDR covers it). Unlike upstream, never from kube-ipvs0's:
+        // upstream's list holds whatever kube-ipvs0 held when it listed, so a CIDR covering the
+        // Service range would put NodePorts on the ClusterIPs bound before that sync.
+        let mut node_ports: Vec<IpAddr> = if npa.match_all() {
+            node.clone()
+        } else {
+            npa.node_ips(&listed)
+                .into_iter()
+                .filter(|ip| !ip.is_loopback())
+                .collect()
+        };
+        node_ports.sort();
+        NodeAddresses {
+            primary,
+            node,
+            node_ports,
+        }
+    }
+}
+
+/// One service port being rendered, with the real servers of its internal (ClusterIP) and
+/// external virtual servers.
 struct PortContext<'a> {
-    name: &'a ServicePortName,
-    protocol: Protocol,
-    persistent: Option<u32>,
+    svc: &'a ServicePort,
+    internal: Vec<IpvsDestination>,
+    external: Vec<IpvsDestination>,
+}
+
+impl PortContext<'_> {
+    /// The `address,proto:port` ipset entry of `address` for this service port.
+    fn entry(&self, address: IpAddr) -> String {
+        format!("{address},{}:{}", self.svc.protocol.lower(), self.svc.port)
+    }
 }
 
 /// The collection state of one render.
-struct Builder {
+struct Builder<'a> {
+    node: &'a NodeAddresses,
+    topology: NodeTopology,
     scheduler: String,
     sched_flags: u32,
     sets: BTreeMap<SetId, BTreeSet<String>>,
@@ -531,7 +576,29 @@ struct Builder {
     warnings: Vec<String>,
 }
 
-impl Builder {
+impl<'a> Builder<'a> {
+    fn new(state: &ProxyState, opts: &IpvsRenderOptions, node: &'a NodeAddresses) -> Builder<'a> {
+        let scheduler = if opts.scheduler.is_empty() {
+            DEFAULT_SCHEDULER.to_string()
+        } else {
+            opts.scheduler.clone()
+        };
+        // mh hashes on the source address only unless told to include the port; upstream always
+        // asks for the port, so that connections from one client spread over the backends.
+        let sched_flags = if scheduler == "mh" { FLAG_SCHED2 } else { 0 };
+        Builder {
+            node,
+            topology: NodeTopology::new(&state.node, opts.common.prefer_same_node),
+            scheduler,
+            sched_flags,
+            sets: BTreeMap::new(),
+            servers: BTreeMap::new(),
+            bound: BTreeSet::new(),
+            no_node_access: Vec::new(),
+            warnings: Vec::new(),
+        }
+    }
+
     fn add(&mut self, id: SetId, entry: String) {
         self.sets.entry(id).or_default().insert(entry);
     }
@@ -546,7 +613,7 @@ impl Builder {
         port: u16,
         destinations: &[IpvsDestination],
     ) {
-        let (name, protocol, persistent) = (of.name, of.protocol, of.persistent);
+        let (name, protocol, persistent) = (&of.svc.name, of.svc.protocol, of.svc.session_affinity_timeout);
         let key = (protocol_number(protocol), address, port);
         if let Some(existing) = self.servers.get(&key) {
             // Upstream would program both in turn on every sync, each replacing the other's
@@ -579,63 +646,19 @@ impl Builder {
             },
         );
     }
-}
 
-/// Renders the full-sync state of one family.
-pub fn render(state: &ProxyState, opts: &IpvsRenderOptions) -> IpvsRuleset {
-    let family = state.family;
-    let node_ip = state.node.primary_ip(family);
-    let zone = state.node.zone();
-    let npa = NodePortAddresses::new(family, &opts.common.node_port_addresses, node_ip);
-    let listed = listed_addresses(state, opts, family);
-    // Upstream's set of node addresses: they keep externalIPs and load-balancer IPs off
-    // kube-ipvs0, and by default they all carry NodePorts.
-    let node_addrs: Vec<IpAddr> = listed.iter().copied().filter(counts_as_node_address).collect();
-    // With nodePortAddresses, upstream selects from every interface address but loopback (an
-    // IPv6 link-local one too, if a CIDR covers it). Unlike upstream, never from kube-ipvs0's:
-    // upstream's list holds whatever kube-ipvs0 held when it listed, so a CIDR covering the
-    // Service range would put NodePorts on the ClusterIPs bound before that sync.
-    let mut node_port_ips: Vec<IpAddr> = if npa.match_all() {
-        node_addrs.clone()
-    } else {
-        npa.node_ips(&listed)
-            .into_iter()
-            .filter(|ip| !ip.is_loopback())
-            .collect()
-    };
-    node_port_ips.sort();
-    let scheduler = if opts.scheduler.is_empty() {
-        DEFAULT_SCHEDULER.to_string()
-    } else {
-        opts.scheduler.clone()
-    };
-    // mh hashes on the source address only unless told to include the port; upstream always
-    // asks for the port, so that connections from one client spread over the backends.
-    let sched_flags = if scheduler == "mh" { FLAG_SCHED2 } else { 0 };
-    let mut b = Builder {
-        scheduler,
-        sched_flags,
-        sets: BTreeMap::new(),
-        servers: BTreeMap::new(),
-        bound: BTreeSet::new(),
-        no_node_access: Vec::new(),
-        warnings: Vec::new(),
-    };
+    /// Binds `address` to kube-ipvs0, unless it is already the node's (it must not move to
+    /// the dummy device).
+    fn bind_unless_node_address(&mut self, address: IpAddr) {
+        if !self.node.node.contains(&address) {
+            self.bound.insert(address);
+        }
+    }
 
-    for sps in &state.service_ports {
+    /// Everything one service port adds: sets, virtual servers, bound addresses.
+    fn add_service_port(&mut self, sps: &ServicePortState) {
         let svc = &sps.port;
-        let name = &svc.name;
-        let proto = svc.protocol;
-        let proto_lower = proto.lower();
-        let port = svc.port;
-        let ctx = PortContext {
-            name,
-            protocol: proto,
-            persistent: svc.session_affinity_timeout,
-        };
-        let sets = categorize_endpoints(
-            &sps.endpoints, svc, &state.node.name, zone, opts.common.prefer_same_node,
-        );
+        let sets = self.topology.endpoint_sets(sps);
         let cluster = destinations(&sets.cluster);
         let local = destinations(&sets.local);
         // A Local policy uses the local endpoints, but falls back to the cluster ones when the
@@ -647,120 +670,172 @@ pub fn render(state: &ProxyState, opts: &IpvsRenderOptions) -> IpvsRuleset {
                 cluster.clone()
             }
         };
-        let internal = pick(svc.internal_policy_local);
-        let external = pick(svc.external_policy_local);
-
-        // Hairpin: a local pod reaching itself through the service is masqueraded. Every
-        // local endpoint counts, ready or not.
-        for ep in sps.endpoints.iter().filter(|ep| ep.is_local) {
-            b.add(
-                SetId::LoopBack,
-                format!("{},{proto_lower}:{},{}", ep.ip, ep.port, ep.ip),
-            );
-        }
-
-        let cip = svc.cluster_ip;
-        b.add(SetId::ClusterIp, format!("{cip},{proto_lower}:{port}"));
-        b.add_server(&ctx, VirtualServerKind::ClusterIp, cip, port, &internal);
-        b.bound.insert(cip);
-
-        for &ext in &svc.external_ips {
-            let set = if svc.external_policy_local {
-                SetId::ExternalIpLocal
-            } else {
-                SetId::ExternalIp
-            };
-            b.add(set, format!("{ext},{proto_lower}:{port}"));
-            b.add_server(&ctx, VirtualServerKind::ExternalIp, ext, port, &external);
-            // An address that is already the node's must not move to the dummy device.
-            if !node_addrs.contains(&ext) {
-                b.bound.insert(ext);
-            }
-        }
-
-        for &lb in &svc.load_balancer_vips {
-            let entry = format!("{lb},{proto_lower}:{port}");
-            b.add(SetId::LoadBalancer, entry.clone());
-            if svc.external_policy_local {
-                b.add(SetId::LoadBalancerLocal, entry.clone());
-            }
-            if !svc.load_balancer_source_ranges.is_empty() {
-                b.add(SetId::LoadBalancerFw, entry.clone());
-                let mut allow_from_node = false;
-                for &cidr in &svc.load_balancer_source_ranges {
-                    for net in storable_nets(cidr) {
-                        b.add(SetId::LoadBalancerSourceCidr, format!("{entry},{net}"));
-                    }
-                    allow_from_node |= node_ip.is_some_and(|ip| cidr.contains(&ip));
-                }
-                if allow_from_node {
-                    // Traffic from the node to its own VIP leaves with the VIP as source.
-                    b.add(SetId::LoadBalancerSourceIp, format!("{entry},{lb}"));
-                } else {
-                    b.no_node_access.push((lb, proto, port));
-                }
-            }
-            b.add_server(&ctx, VirtualServerKind::LoadBalancer, lb, port, &external);
-            if !node_addrs.contains(&lb) {
-                b.bound.insert(lb);
-            }
-        }
-
+        let of = PortContext {
+            svc,
+            internal: pick(svc.internal_policy_local),
+            external: pick(svc.external_policy_local),
+        };
+        self.hairpin(sps);
+        self.cluster_ip(&of);
+        self.external_ips(&of);
+        self.load_balancer_ips(&of);
         if svc.node_port != 0 {
             // Upstream skips the rest of this service port when it found no node address,
             // its health-check node port included.
-            if node_port_ips.is_empty() {
-                continue;
+            if self.node.node_ports.is_empty() {
+                return;
             }
-            let np = svc.node_port;
-            let (set, local_set, entries): (SetId, SetId, Vec<String>) = match proto {
-                Protocol::Tcp => (SetId::NodePortTcp, SetId::NodePortLocalTcp, vec![np.to_string()]),
-                Protocol::Udp => (SetId::NodePortUdp, SetId::NodePortLocalUdp, vec![np.to_string()]),
-                // No bitmap for SCTP ports in ipset: a hash of node address and port instead.
-                Protocol::Sctp => (
-                    SetId::NodePortSctp,
-                    SetId::NodePortLocalSctp,
-                    node_port_ips.iter().map(|ip| format!("{ip},sctp:{np}")).collect(),
-                ),
-            };
-            for e in &entries {
-                b.add(set, e.clone());
-                if svc.external_policy_local {
-                    b.add(local_set, e.clone());
-                }
-            }
-            for &ip in &node_port_ips {
-                b.add_server(&ctx, VirtualServerKind::NodePort, ip, np, &external);
-            }
+            self.node_port(&of);
         }
-
         if svc.health_check_node_port != 0 {
-            b.add(SetId::HealthCheckNodePort, svc.health_check_node_port.to_string());
+            self.add(SetId::HealthCheckNodePort, svc.health_check_node_port.to_string());
         }
     }
 
-    for ip in b.bound.clone() {
-        b.add(SetId::IpvsIps, ip.to_string());
+    /// Hairpin: a local pod reaching itself through the service is masqueraded. Every local
+    /// endpoint counts, ready or not.
+    fn hairpin(&mut self, sps: &ServicePortState) {
+        let proto = sps.port.protocol.lower();
+        for ep in sps.endpoints.iter().filter(|ep| ep.is_local) {
+            self.add(SetId::LoopBack, format!("{},{proto}:{},{}", ep.ip, ep.port, ep.ip));
+        }
     }
 
-    let ipsets: Vec<Ipset> = IPSETS
-        .iter()
-        .map(|info| Ipset {
-            id: info.id,
-            name: set_name(info.name, family),
-            set_type: info.set_type,
-            family,
-            comment: info.comment,
-            entries: b
-                .sets
-                .get(&info.id)
-                .map(|s| s.iter().cloned().collect())
-                .unwrap_or_default(),
-        })
-        .collect();
+    fn cluster_ip(&mut self, of: &PortContext<'_>) {
+        let cip = of.svc.cluster_ip;
+        self.add(SetId::ClusterIp, of.entry(cip));
+        self.add_server(of, VirtualServerKind::ClusterIp, cip, of.svc.port, &of.internal);
+        self.bound.insert(cip);
+    }
 
+    fn external_ips(&mut self, of: &PortContext<'_>) {
+        let set = if of.svc.external_policy_local {
+            SetId::ExternalIpLocal
+        } else {
+            SetId::ExternalIp
+        };
+        for &ext in &of.svc.external_ips {
+            self.add(set, of.entry(ext));
+            self.add_server(of, VirtualServerKind::ExternalIp, ext, of.svc.port, &of.external);
+            self.bind_unless_node_address(ext);
+        }
+    }
+
+    fn load_balancer_ips(&mut self, of: &PortContext<'_>) {
+        let svc = of.svc;
+        for &lb in &svc.load_balancer_vips {
+            let entry = of.entry(lb);
+            self.add(SetId::LoadBalancer, entry.clone());
+            if svc.external_policy_local {
+                self.add(SetId::LoadBalancerLocal, entry.clone());
+            }
+            if !svc.load_balancer_source_ranges.is_empty() {
+                self.source_ranges(of, lb, entry);
+            }
+            self.add_server(of, VirtualServerKind::LoadBalancer, lb, svc.port, &of.external);
+            self.bind_unless_node_address(lb);
+        }
+    }
+
+    /// loadBalancerSourceRanges of the load-balancer IP `lb` (ipset entry `entry`).
+    fn source_ranges(&mut self, of: &PortContext<'_>, lb: IpAddr, entry: String) {
+        let svc = of.svc;
+        self.add(SetId::LoadBalancerFw, entry.clone());
+        let mut allow_from_node = false;
+        for &cidr in &svc.load_balancer_source_ranges {
+            for net in storable_nets(cidr) {
+                self.add(SetId::LoadBalancerSourceCidr, format!("{entry},{net}"));
+            }
+            allow_from_node |= self.node.primary.is_some_and(|ip| cidr.contains(&ip));
+        }
+        if allow_from_node {
+            // Traffic from the node to its own VIP leaves with the VIP as source.
+            self.add(SetId::LoadBalancerSourceIp, format!("{entry},{lb}"));
+        } else {
+            self.no_node_access.push((lb, svc.protocol, svc.port));
+        }
+    }
+
+    fn node_port(&mut self, of: &PortContext<'_>) {
+        let node = self.node;
+        let np = of.svc.node_port;
+        let (set, local_set, entries): (SetId, SetId, Vec<String>) = match of.svc.protocol {
+            Protocol::Tcp => (SetId::NodePortTcp, SetId::NodePortLocalTcp, vec![np.to_string()]),
+            Protocol::Udp => (SetId::NodePortUdp, SetId::NodePortLocalUdp, vec![np.to_string()]),
+            // No bitmap for SCTP ports in ipset: a hash of node address and port instead.
+            Protocol::Sctp => (
+                SetId::NodePortSctp,
+                SetId::NodePortLocalSctp,
+                node.node_ports.iter().map(|ip| format!("{ip},sctp:{np}")).collect(),
+            ),
+        };
+        for e in &entries {
+            self.add(set, e.clone());
+            if of.svc.external_policy_local {
+                self.add(local_set, e.clone());
+            }
+        }
+        for &ip in &node.node_ports {
+            self.add_server(of, VirtualServerKind::NodePort, ip, np, &of.external);
+        }
+    }
+
+    /// Every set, in upstream's order, with its entries (kube-ipvs0's addresses included).
+    fn ipsets(&mut self, family: IpFamily) -> Vec<Ipset> {
+        for ip in self.bound.clone() {
+            self.add(SetId::IpvsIps, ip.to_string());
+        }
+        IPSETS
+            .iter()
+            .map(|info| Ipset {
+                id: info.id,
+                name: set_name(info.name, family),
+                set_type: info.set_type,
+                family,
+                comment: info.comment,
+                entries: self
+                    .sets
+                    .get(&info.id)
+                    .map(|s| s.iter().cloned().collect())
+                    .unwrap_or_default(),
+            })
+            .collect()
+    }
+}
+
+/// Renders the full-sync state of one family.
+pub fn render(state: &ProxyState, opts: &IpvsRenderOptions) -> IpvsRuleset {
+    let family = state.family;
+    let node = NodeAddresses::new(state, opts);
+    let mut b = Builder::new(state, opts, &node);
+    for sps in &state.service_ports {
+        b.add_service_port(sps);
+    }
+    let ipsets = b.ipsets(family);
     let restore = restore_input(family, opts, &ipsets, &b.no_node_access);
+    IpvsRuleset {
+        family,
+        virtual_servers: b.servers.into_values().collect(),
+        bound_addresses: b.bound.into_iter().collect(),
+        node_addresses_from: if opts.node_addresses.is_some() {
+            NodeAddressSource::Interfaces
+        } else {
+            NodeAddressSource::NodeObject
+        },
+        ipsets,
+        jumps: jump_rules(),
+        restore,
+        sysctls: sysctls(opts),
+        timeouts: timeouts(opts),
+        exclude_cidrs: opts.exclude_cidrs.clone(),
+        warnings: b.warnings,
+        // Last: the builder borrows `node` until then.
+        node_port_addresses: node.node_ports,
+    }
+}
 
+/// The sysctls IPVS mode sets at start.
+fn sysctls(opts: &IpvsRenderOptions) -> Vec<(&'static str, u32)> {
     let mut sysctls: Vec<(&'static str, u32)> = vec![
         ("net/ipv4/vs/conntrack", 1),
         ("net/ipv4/vs/expire_nodest_conn", 1),
@@ -771,6 +846,11 @@ pub fn render(state: &ProxyState, opts: &IpvsRenderOptions) -> IpvsRuleset {
         sysctls.push(("net/ipv4/conf/all/arp_ignore", 1));
         sysctls.push(("net/ipv4/conf/all/arp_announce", 2));
     }
+    sysctls
+}
+
+/// The IPVS timeouts to set, when any is configured.
+fn timeouts(opts: &IpvsRenderOptions) -> Option<IpvsTimeouts> {
     let timeouts = IpvsTimeouts {
         tcp: opts.tcp_timeout,
         tcp_fin: opts.tcp_fin_timeout,
@@ -779,271 +859,7 @@ pub fn render(state: &ProxyState, opts: &IpvsRenderOptions) -> IpvsRuleset {
     let any_timeout = [timeouts.tcp, timeouts.tcp_fin, timeouts.udp]
         .iter()
         .any(|d| !d.is_zero());
-
-    IpvsRuleset {
-        family,
-        virtual_servers: b.servers.into_values().collect(),
-        bound_addresses: b.bound.into_iter().collect(),
-        node_port_addresses: node_port_ips,
-        node_addresses_from: if opts.node_addresses.is_some() {
-            NodeAddressSource::Interfaces
-        } else {
-            NodeAddressSource::NodeObject
-        },
-        ipsets,
-        jumps: jump_rules(),
-        restore,
-        sysctls,
-        timeouts: any_timeout.then_some(timeouts),
-        exclude_cidrs: opts.exclude_cidrs.clone(),
-        warnings: b.warnings,
-    }
-}
-
-/// Which table a set-driven rule goes to.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Table {
-    Nat,
-    Filter,
-}
-
-/// Upstream's `ipsetWithIptablesChain`: one rule per non-empty set, `-A FROM [-p PROTO] -m
-/// comment --comment COMMENT -m set --match-set SET MATCH -j TO`. The LOCAL sets come first so
-/// that they RETURN before the masquerade rule of the same protocol.
-#[rustfmt::skip]
-const SET_RULES: [(SetId, Table, &str, &str, &str, &str); 12] = [
-    // (set,                        table,         from chain,                  to,                          match,         -p)
-    (SetId::LoopBack,               Table::Nat,    KUBE_POSTROUTING,            "MASQUERADE",                "dst,dst,src", ""),
-    (SetId::LoadBalancer,           Table::Nat,    KUBE_SERVICES,               KUBE_LOAD_BALANCER,          "dst,dst",     ""),
-    (SetId::LoadBalancerLocal,      Table::Nat,    KUBE_LOAD_BALANCER,          "RETURN",                    "dst,dst",     ""),
-    (SetId::NodePortLocalTcp,       Table::Nat,    KUBE_NODE_PORT,              "RETURN",                    "dst",         "tcp"),
-    (SetId::NodePortTcp,            Table::Nat,    KUBE_NODE_PORT,              KUBE_MARK_MASQ,              "dst",         "tcp"),
-    (SetId::NodePortLocalUdp,       Table::Nat,    KUBE_NODE_PORT,              "RETURN",                    "dst",         "udp"),
-    (SetId::NodePortUdp,            Table::Nat,    KUBE_NODE_PORT,              KUBE_MARK_MASQ,              "dst",         "udp"),
-    (SetId::NodePortLocalSctp,      Table::Nat,    KUBE_NODE_PORT,              "RETURN",                    "dst,dst",     "sctp"),
-    (SetId::NodePortSctp,           Table::Nat,    KUBE_NODE_PORT,              KUBE_MARK_MASQ,              "dst,dst",     "sctp"),
-    (SetId::LoadBalancerFw,         Table::Filter, KUBE_PROXY_FIREWALL,         KUBE_SOURCE_RANGES_FIREWALL, "dst,dst",     ""),
-    (SetId::LoadBalancerSourceCidr, Table::Filter, KUBE_SOURCE_RANGES_FIREWALL, "RETURN",                    "dst,dst,src", ""),
-    (SetId::LoadBalancerSourceIp,   Table::Filter, KUBE_SOURCE_RANGES_FIREWALL, "RETURN",                    "dst,dst,src", ""),
-];
-
-/// Upstream's `writeIptablesRules`: the whole restore input, nat then filter, rule for rule.
-fn restore_input(
-    family: IpFamily,
-    opts: &IpvsRenderOptions,
-    ipsets: &[Ipset],
-    no_node_access: &[(IpAddr, Protocol, u16)],
-) -> String {
-    let set = |id: SetId| ipsets.iter().find(|s| s.id == id);
-    let name = |id: SetId| set(id).map(|s| s.name.clone()).unwrap_or_default();
-    let nonempty = |id: SetId| set(id).is_some_and(|s| !s.is_empty());
-    let comment = |id: SetId| format!("\"{}\"", ipset_info(id).comment);
-    let mark = masquerade_mark(opts.common.masquerade_bit);
-    let mut nat = String::new();
-    let mut filter = String::new();
-
-    // Connections from localhost never go to a service.
-    let loopback = match family {
-        IpFamily::V4 => "127.0.0.0/8",
-        IpFamily::V6 => "::1/128",
-    };
-    line!(nat, "-A {KUBE_SERVICES} -s {loopback} -j RETURN");
-
-    for (id, table, from, to, match_type, protocol) in SET_RULES {
-        if !nonempty(id) {
-            continue;
-        }
-        let proto = if protocol.is_empty() {
-            String::new()
-        } else {
-            format!(" -p {protocol}")
-        };
-        let buf = match table {
-            Table::Nat => &mut nat,
-            Table::Filter => &mut filter,
-        };
-        line!(
-            buf,
-            "-A {from}{proto} -m comment --comment {} -m set --match-set {} {match_type} -j {to}",
-            comment(id),
-            name(id)
-        );
-    }
-
-    if nonempty(SetId::ClusterIp) {
-        let base = format!(
-            "-A {KUBE_SERVICES} -m comment --comment {} -m set --match-set {}",
-            comment(SetId::ClusterIp),
-            name(SetId::ClusterIp)
-        );
-        if opts.common.masquerade_all {
-            line!(nat, "{base} dst,dst -j {KUBE_MARK_MASQ}");
-        } else if opts.common.local_detector.is_implemented() {
-            // Off-cluster traffic to a ClusterIP may bounce off-node: masquerade it.
-            line!(
-                nat,
-                "{base} dst,dst {} -j {KUBE_MARK_MASQ}",
-                opts.common.local_detector.if_not_local().join(" ")
-            );
-        } else {
-            // Without a detector, only node traffic whose source is a VIP (picked because the
-            // VIPs sit on kube-ipvs0) is masqueraded, so that replies find their way back.
-            line!(nat, "{base} src,dst -j {KUBE_MARK_MASQ}");
-        }
-    }
-
-    // Traffic to an external IP from off the node (not bridged from a local pod) and traffic
-    // to one that routing considers local is accepted, whatever else the chains say.
-    let external_ip_rules = |nat: &mut String, base: &str| {
-        line!(
-            nat,
-            "{base} -m physdev ! --physdev-is-in -m addrtype ! --src-type LOCAL -j ACCEPT"
-        );
-        line!(nat, "{base} -m addrtype --dst-type LOCAL -j ACCEPT");
-    };
-    if nonempty(SetId::ExternalIp) {
-        let base = format!(
-            "-A {KUBE_SERVICES} -m comment --comment {} -m set --match-set {} dst,dst",
-            comment(SetId::ExternalIp),
-            name(SetId::ExternalIp)
-        );
-        line!(nat, "{base} -j {KUBE_MARK_MASQ}");
-        external_ip_rules(&mut nat, &base);
-    }
-    if nonempty(SetId::ExternalIpLocal) {
-        let base = format!(
-            "-A {KUBE_SERVICES} -m comment --comment {} -m set --match-set {} dst,dst",
-            comment(SetId::ExternalIpLocal),
-            name(SetId::ExternalIpLocal)
-        );
-        external_ip_rules(&mut nat, &base);
-    }
-
-    line!(
-        nat,
-        "-A {KUBE_SERVICES} -m addrtype --dst-type LOCAL -j {KUBE_NODE_PORT}"
-    );
-    line!(nat, "-A {KUBE_LOAD_BALANCER} -j {KUBE_MARK_MASQ}");
-    line!(filter, "-A {KUBE_SOURCE_RANGES_FIREWALL} -j DROP");
-
-    // The node reaches a load-balancer IP through IPVS with that IP as source; when the source
-    // ranges do not include the node, drop it here (upstream issue 119656).
-    for (ip, proto, port) in no_node_access {
-        line!(
-            filter,
-            "-A {KUBE_IPVS_OUT_FILTER} -s {ip} -m ipvs --vaddr {ip} --vproto {} --vport {port} -j DROP",
-            proto.lower()
-        );
-    }
-
-    // Accept what IPVS serves, in case other rules in these tables would drop it; these must
-    // stay at the end of KUBE-SERVICES.
-    for id in [SetId::ClusterIp, SetId::LoadBalancer] {
-        if nonempty(id) {
-            line!(
-                nat,
-                "-A {KUBE_SERVICES} -m set --match-set {} dst,dst -j ACCEPT",
-                name(id)
-            );
-        }
-    }
-
-    // Forward what we marked even when the FORWARD policy is DROP, and the rest of its flow.
-    line!(
-        filter,
-        "-A {KUBE_FORWARD} -m comment --comment \"kubernetes forwarding rules\" -m mark --mark {mark}/{mark} -j ACCEPT"
-    );
-    line!(
-        filter,
-        "-A {KUBE_FORWARD} -m comment --comment \"kubernetes forwarding conntrack rule\" -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT"
-    );
-    line!(
-        filter,
-        "-A {KUBE_NODE_PORT} -m comment --comment {} -m set --match-set {} dst -j ACCEPT",
-        comment(SetId::HealthCheckNodePort),
-        name(SetId::HealthCheckNodePort)
-    );
-
-    // kube-ipvs0 addresses are local: without this, every port the node listens on would
-    // answer on every service address (upstream issue 72236).
-    for (id, match_type) in [
-        (SetId::LoadBalancer, "dst,dst"),
-        (SetId::ClusterIp, "dst,dst"),
-        (SetId::ExternalIp, "dst,dst"),
-        (SetId::ExternalIpLocal, "dst,dst"),
-        (SetId::HealthCheckNodePort, "dst"),
-    ] {
-        line!(
-            filter,
-            "-A {KUBE_IPVS_FILTER} -m set --match-set {} {match_type} -j RETURN",
-            name(id)
-        );
-    }
-    line!(
-        filter,
-        "-A {KUBE_IPVS_FILTER} -m conntrack --ctstate NEW -m set --match-set {} dst -j REJECT",
-        name(SetId::IpvsIps)
-    );
-
-    line!(nat, "-A {KUBE_POSTROUTING} -m mark ! --mark {mark}/{mark} -j RETURN");
-    // Clear the mark so that a packet re-traversing the stack is not masqueraded twice.
-    line!(nat, "-A {KUBE_POSTROUTING} -j MARK --xor-mark {mark}");
-    let random_fully = if opts.random_fully { " --random-fully" } else { "" };
-    line!(
-        nat,
-        "-A {KUBE_POSTROUTING} -m comment --comment \"kubernetes service traffic requiring SNAT\" -j MASQUERADE{random_fully}"
-    );
-    line!(nat, "-A {KUBE_MARK_MASQ} -j MARK --or-mark {mark}");
-
-    let mut out = String::from("*nat\n");
-    for c in NAT_CHAINS {
-        line!(out, ":{c} - [0:0]");
-    }
-    out.push_str(&nat);
-    out.push_str("COMMIT\n*filter\n");
-    for c in FILTER_CHAINS {
-        line!(out, ":{c} - [0:0]");
-    }
-    out.push_str(&filter);
-    out.push_str("COMMIT\n");
-    out
-}
-
-/// Upstream's `iptablesJumpChain`, each ensured with "insert at the top if missing"; returned
-/// in the order they end up in each built-in chain. Unlike iptables mode, none of them is
-/// limited to new connections.
-pub fn jump_rules() -> Vec<JumpRule> {
-    let spec: [(&'static str, &'static str, &'static str, &'static str); 9] = [
-        ("nat", "OUTPUT", KUBE_SERVICES, "kubernetes service portals"),
-        ("nat", "PREROUTING", KUBE_SERVICES, "kubernetes service portals"),
-        ("nat", "POSTROUTING", KUBE_POSTROUTING, "kubernetes postrouting rules"),
-        ("filter", "FORWARD", KUBE_FORWARD, "kubernetes forwarding rules"),
-        ("filter", "INPUT", KUBE_NODE_PORT, "kubernetes health check rules"),
-        ("filter", "INPUT", KUBE_PROXY_FIREWALL, "kube-proxy firewall rules"),
-        ("filter", "FORWARD", KUBE_PROXY_FIREWALL, "kube-proxy firewall rules"),
-        ("filter", "INPUT", KUBE_IPVS_FILTER, "kubernetes ipvs access filter"),
-        (
-            "filter", "OUTPUT", KUBE_IPVS_OUT_FILTER, "kubernetes ipvs access filter",
-        ),
-    ];
-    let mut out: Vec<JumpRule> = Vec::new();
-    for (table, chain, target, comment) in spec {
-        let args = vec![
-            "-m".to_string(),
-            "comment".to_string(),
-            "--comment".to_string(),
-            comment.to_string(),
-            "-j".to_string(),
-            target.to_string(),
-        ];
-        // Prepending puts each later rule before the earlier ones of the same chain.
-        let pos = out
-            .iter()
-            .position(|j| j.table == table && j.chain == chain)
-            .unwrap_or(out.len());
-        out.insert(pos, JumpRule { table, chain, args });
-    }
-    out
+    any_timeout.then_some(timeouts)
 }
 
 #[cfg(test)]
@@ -1789,30 +1605,6 @@ SCTP 10.20.30.11:9000 rr
             chain(&rs, "nat", KUBE_POSTROUTING)[0],
             "-m comment --comment \"Kubernetes endpoints dst ip:port, source ip for solving hairpin purpose\" -m set --match-set KUBE-LOOP-BACK dst,dst,src -j MASQUERADE"
         );
-    }
-
-    #[test]
-    fn jump_rules_in_kernel_order() {
-        let jumps = jump_rules();
-        let targets = |table: &str, ch: &str| -> Vec<String> {
-            jumps
-                .iter()
-                .filter(|j| j.table == table && j.chain == ch)
-                .map(|j| j.args.last().cloned().unwrap_or_default())
-                .collect()
-        };
-        assert_eq!(
-            targets("filter", "INPUT"),
-            [KUBE_IPVS_FILTER, KUBE_PROXY_FIREWALL, KUBE_NODE_PORT]
-        );
-        assert_eq!(targets("filter", "FORWARD"), [KUBE_PROXY_FIREWALL, KUBE_FORWARD]);
-        assert_eq!(targets("filter", "OUTPUT"), [KUBE_IPVS_OUT_FILTER]);
-        assert_eq!(targets("nat", "PREROUTING"), [KUBE_SERVICES]);
-        assert_eq!(
-            jumps[0].to_command(),
-            "-t nat -I OUTPUT -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES"
-        );
-        assert!(jumps.iter().all(|j| !j.args.contains(&"--ctstate".to_string())));
     }
 
     #[test]

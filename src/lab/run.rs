@@ -22,7 +22,7 @@ use super::probe::{ProbeArgs, ProbeReport};
 use super::scenario::{Ep, ServiceSpec, manifests};
 use super::testbed::{Testbed, TestbedSpec};
 use crate::config::ProxyMode;
-use crate::iptables::names;
+use crate::iptables::names::{self, ServicePortChains};
 
 const PREFIX: &str = "kplab";
 const CLUSTER_IP: &str = "10.96.165.10";
@@ -187,7 +187,7 @@ fn ms(d: Duration) -> String {
     format!("{:.0} ms", d.as_secs_f64() * 1000.0)
 }
 
-fn run(binary: &Path, mode: ProxyMode, dir: &Path, connections: u32, out: &mut impl Write) -> Result<()> {
+fn run<W: Write>(binary: &Path, mode: ProxyMode, dir: &Path, connections: u32, out: &mut W) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
     writeln!(
@@ -197,11 +197,48 @@ fn run(binary: &Path, mode: ProxyMode, dir: &Path, connections: u32, out: &mut i
         kernel.trim(),
         std::process::id()
     )?;
+    let bed = build_testbed(binary, out)?;
+    write_manifests(dir, &web(&endpoints_of(&bed)))?;
+    let daemon = start_daemon(&bed, binary, mode, dir, out)?;
 
+    let mut lab = Lab {
+        bed,
+        mode,
+        dir,
+        out,
+        cip: format!("{CLUSTER_IP}:80").parse()?,
+        chains: names::service_port_chains(SERVICE, "tcp"),
+        nft: mode == ProxyMode::Nftables,
+    };
+    lab.show_the_service()?;
+    lab.connect(connections)?;
+    lab.scale_up()?;
+    lab.scale_to_zero()?;
+    lab.node_port()?;
+    lab.connection_table()?;
+
+    let Lab { bed, out, .. } = lab;
+    let id = bed.id().to_string();
+    drop(daemon);
+    drop(bed);
+    // Checked, not assumed: the report's last line is a promise.
+    let left = leftover_namespaces(&id)?;
+    if !left.is_empty() {
+        bail!("namespaces of the lab left behind: {}", left.join(", "));
+    }
+    writeln!(
+        out,
+        "\nDone: the namespaces and processes of the lab are removed (`ip netns list` shows none named {id}-*)."
+    )?;
+    Ok(())
+}
+
+/// The test bed: a node, a client pod, an outside host and three endpoints.
+fn build_testbed(binary: &Path, out: &mut impl Write) -> Result<Testbed> {
     let t = Instant::now();
     let mut spec = TestbedSpec::new(PREFIX, binary);
     spec.endpoints = 3;
-    let mut bed = Testbed::build(&spec)?;
+    let bed = Testbed::build(&spec)?;
     writeln!(
         out,
         "Test bed ready in {}: node {} (pods on 10.244.<k>.0/24), client pod {}, outside host {}, endpoints {}",
@@ -215,9 +252,17 @@ fn run(binary: &Path, mode: ProxyMode, dir: &Path, connections: u32, out: &mut i
             .collect::<Vec<_>>()
             .join(", ")
     )?;
-    let eps = |bed: &Testbed| bed.endpoints().iter().map(|e| Ep::local(e.ip)).collect::<Vec<_>>();
-    write_manifests(dir, &web(&eps(&bed)))?;
+    Ok(bed)
+}
 
+/// The test bed's endpoints as the manifests list them.
+fn endpoints_of(bed: &Testbed) -> Vec<Ep> {
+    bed.endpoints().iter().map(|e| Ep::local(e.ip)).collect()
+}
+
+/// Starts the daemon in the node namespace on the manifests in `dir`, and waits for its
+/// first sync.
+fn start_daemon(bed: &Testbed, binary: &Path, mode: ProxyMode, dir: &Path, out: &mut impl Write) -> Result<ChildGuard> {
     // IPVS mode has its own sync periods; nftables mode uses iptables mode's, as upstream.
     let periods = if mode == ProxyMode::Ipvs { "ipvs" } else { "iptables" };
     let args: Vec<String> = vec![
@@ -240,199 +285,241 @@ fn run(binary: &Path, mode: ProxyMode, dir: &Path, connections: u32, out: &mut i
         dir.display(),
         ms(t.elapsed())
     )?;
+    Ok(daemon)
+}
 
-    let cip: SocketAddr = format!("{CLUSTER_IP}:80").parse()?;
-    let chains = names::service_port_chains(SERVICE, "tcp");
+/// The lab while the daemon runs: the test bed, where the manifests are, and the report.
+struct Lab<'a, W: Write> {
+    bed: Testbed,
+    mode: ProxyMode,
+    /// The daemon's `--manifests` directory.
+    dir: &'a Path,
+    out: &'a mut W,
+    /// The Service's ClusterIP and port.
+    cip: SocketAddr,
+    /// The Service's iptables chains.
+    chains: ServicePortChains,
+    nft: bool,
+}
 
-    let nft = mode == ProxyMode::Nftables;
-    let source = match mode {
-        ProxyMode::Nftables => "nft list table ip kube-proxy",
-        ProxyMode::Iptables => "iptables-save -t nat",
-        ProxyMode::Ipvs => "ipvsadm -Ln",
-    };
-    let what = if mode == ProxyMode::Ipvs {
-        "virtual server"
-    } else {
-        "chains"
-    };
-    writeln!(
-        out,
-        "1. The {what} of Service {SERVICE} (ClusterIP {CLUSTER_IP}:80, NodePort {NODE_PORT}), from {source}"
-    )?;
-    if mode == ProxyMode::Ipvs {
-        show_ipvs_service(out, &bed, cip)?;
-    } else {
-        show_service(out, &bed, nft, &chains.cluster)?;
+impl<W: Write> Lab<'_, W> {
+    fn ipvs(&self) -> bool {
+        self.mode == ProxyMode::Ipvs
     }
 
-    writeln!(
-        out,
-        "\n2. {connections} new TCP connections from the client pod to {cip}"
-    )?;
-    let report = bed.probe(&bed.client, &ProbeArgs::tcp(cip).with_count(connections))?;
-    print_distribution(out, &report, connections)?;
-    if mode == ProxyMode::Ipvs {
-        print_turns(out, &report, bed.endpoints().len())?;
-    }
-
-    writeln!(out, "\n3. Scale to 4 endpoints")?;
-    let new = bed.add_endpoint()?;
-    let (new_name, new_addr) = (new.name.clone(), new.server_addr());
-    let sep = names::endpoint_chain(SERVICE, "tcp", &new_addr.to_string());
-    let changed = Instant::now();
-    write_manifests(dir, &web(&eps(&bed)))?;
-    let live = poll(CHANGE_TIMEOUT, || serving(&bed, mode, cip, new_addr));
-    let what = match mode {
-        ProxyMode::Nftables => format!("endpoint chain (dnat to {new_addr})"),
-        ProxyMode::Iptables => format!("{sep} (DNAT to {new_addr})"),
-        ProxyMode::Ipvs => format!("real server {new_addr} (Masq, weight 1)"),
-    };
-    match live {
-        Some(_) => writeln!(
-            out,
-            "   manifest changed -> {what} live after {}",
-            ms(changed.elapsed())
-        )?,
-        None => writeln!(
-            out,
-            "   the new endpoint's {} did not appear within {CHANGE_TIMEOUT:?}",
-            if mode == ProxyMode::Ipvs {
-                "real server"
-            } else {
-                "chain"
+    /// The Service's rules (or virtual server) as the mode's own tool lists them.
+    fn show_rules(&mut self) -> Result<()> {
+        if self.ipvs() {
+            for l in ipvs::virtual_server(&self.bed, self.cip)? {
+                writeln!(self.out, "   {l}")?;
             }
-        )?,
-    }
-    if mode == ProxyMode::Ipvs {
-        for l in ipvs::virtual_server(&bed, cip)? {
-            writeln!(out, "   {l}")?;
-        }
-    } else {
-        show_service(out, &bed, nft, &chains.cluster)?;
-    }
-    let report = bed.probe(&bed.client, &ProbeArgs::tcp(cip).with_count(100))?;
-    writeln!(out, "   100 new connections: {}", summary(&report))?;
-    if !report.names().contains_key(&new_name) {
-        writeln!(out, "   (the new endpoint {new_name} got none of them)")?;
-    }
-    if mode == ProxyMode::Ipvs {
-        writeln!(
-            out,
-            "   rr splits them exactly; the real servers already there are not touched (iptables mode rewrites the Service's chain with new probabilities)"
-        )?;
-    }
-
-    writeln!(out, "\n4. Scale to 0 endpoints")?;
-    write_manifests(dir, &web(&[]))?;
-    match mode {
-        ProxyMode::Nftables => {
-            let has_reject = || rules(&bed, true).unwrap_or_default().contains("goto reject-chain");
-            if poll(CHANGE_TIMEOUT, has_reject).is_some() {
-                for l in rules(&bed, true)?.lines().filter(|l| l.contains("reject")) {
-                    writeln!(out, "   nft: {}", l.trim())?;
-                }
-            }
-        }
-        ProxyMode::Iptables => {
-            let reject = format!("{SERVICE} has no endpoints");
-            let filter = || bed.node.exec_ok("iptables-save", ["-t", "filter"]).unwrap_or_default();
-            if poll(CHANGE_TIMEOUT, || filter().contains(&reject)).is_some() {
-                for l in filter().lines().filter(|l| l.contains(&reject)) {
-                    writeln!(out, "   filter: {l}")?;
-                }
-            }
-        }
-        ProxyMode::Ipvs => show_ipvs_no_endpoints(out, &bed, cip)?,
-    }
-    let report = bed.probe(&bed.client, &ProbeArgs::tcp(cip).with_count(3).with_timeout_ms(2000))?;
-    for a in &report.attempts {
-        writeln!(
-            out,
-            "   connect {cip}: {} after {:.1} ms",
-            a.error.as_deref().unwrap_or("answered"),
-            a.elapsed_us as f64 / 1000.0
-        )?;
-    }
-    if mode == ProxyMode::Ipvs {
-        writeln!(
-            out,
-            "   no REJECT rule here: with no real server to schedule, IPVS itself answers ICMP port unreachable (iptables mode rejects in the filter table)"
-        )?;
-    }
-
-    writeln!(out, "\n5. The NodePort from the outside host")?;
-    write_manifests(dir, &web(&eps(&bed)))?;
-    let first = bed.endpoint(0).server_addr();
-    poll(CHANGE_TIMEOUT, || serving(&bed, mode, cip, first));
-    if mode == ProxyMode::Ipvs {
-        show_ipvs_node_port(out, &bed)?;
-    } else {
-        let n = rules(&bed, nft)?;
-        let external = if nft {
-            "external-".to_string()
+            Ok(())
         } else {
-            format!("-A {} ", chains.external)
-        };
-        for l in n.lines().filter(|l| {
-            l.starts_with("-A KUBE-NODEPORTS") || l.contains(&external) || (nft && l.contains(&NODE_PORT.to_string()))
-        }) {
-            writeln!(out, "   {}", l.trim())?;
+            show_service(self.out, &self.bed, self.nft, &self.chains.cluster)
         }
     }
-    let outside = bed.outside_ips()[0];
-    let np = SocketAddr::new(bed.node_ip(), NODE_PORT);
-    let report = bed.probe(&bed.outside, &ProbeArgs::tcp(np).with_bind(outside).with_count(10))?;
-    let seen: Vec<String> = report.seen_sources().iter().map(ToString::to_string).collect();
-    writeln!(out, "   10 connections from {outside} to {np}: {}", summary(&report))?;
-    writeln!(
-        out,
-        "   the endpoints saw the client as {} (the node's address: masqueraded, externalTrafficPolicy Cluster)",
-        seen.join(", ")
-    )?;
 
-    if mode == ProxyMode::Ipvs {
+    /// Step 1: the Service as the daemon programmed it.
+    fn show_the_service(&mut self) -> Result<()> {
+        let source = match self.mode {
+            ProxyMode::Nftables => "nft list table ip kube-proxy",
+            ProxyMode::Iptables => "iptables-save -t nat",
+            ProxyMode::Ipvs => "ipvsadm -Ln",
+        };
+        let what = if self.ipvs() { "virtual server" } else { "chains" };
         writeln!(
-            out,
-            "\n6. A few entries of IPVS's own connection table in the node namespace (ipvsadm -Lnc)"
+            self.out,
+            "1. The {what} of Service {SERVICE} (ClusterIP {CLUSTER_IP}:80, NodePort {NODE_PORT}), from {source}"
         )?;
-        for l in ipvs::connections(&bed, cip, 4)? {
-            writeln!(out, "   {l}")?;
+        if self.ipvs() {
+            show_ipvs_service(self.out, &self.bed, self.cip)
+        } else {
+            show_service(self.out, &self.bed, self.nft, &self.chains.cluster)
+        }
+    }
+
+    /// Step 2: how new connections spread over the endpoints.
+    fn connect(&mut self, connections: u32) -> Result<()> {
+        let cip = self.cip;
+        writeln!(
+            self.out,
+            "\n2. {connections} new TCP connections from the client pod to {cip}"
+        )?;
+        let report = self
+            .bed
+            .probe(&self.bed.client, &ProbeArgs::tcp(cip).with_count(connections))?;
+        print_distribution(self.out, &report, connections)?;
+        if self.ipvs() {
+            print_turns(self.out, &report, self.bed.endpoints().len())?;
+        }
+        Ok(())
+    }
+
+    /// Step 3: a fourth endpoint, how soon it is live, and its share of new connections.
+    fn scale_up(&mut self) -> Result<()> {
+        let (mode, cip) = (self.mode, self.cip);
+        writeln!(self.out, "\n3. Scale to 4 endpoints")?;
+        let new = self.bed.add_endpoint()?;
+        let (new_name, new_addr) = (new.name.clone(), new.server_addr());
+        let sep = names::endpoint_chain(SERVICE, "tcp", &new_addr.to_string());
+        let changed = Instant::now();
+        write_manifests(self.dir, &web(&endpoints_of(&self.bed)))?;
+        let live = poll(CHANGE_TIMEOUT, || serving(&self.bed, mode, cip, new_addr));
+        let what = match mode {
+            ProxyMode::Nftables => format!("endpoint chain (dnat to {new_addr})"),
+            ProxyMode::Iptables => format!("{sep} (DNAT to {new_addr})"),
+            ProxyMode::Ipvs => format!("real server {new_addr} (Masq, weight 1)"),
+        };
+        match live {
+            Some(_) => writeln!(
+                self.out,
+                "   manifest changed -> {what} live after {}",
+                ms(changed.elapsed())
+            )?,
+            None => writeln!(
+                self.out,
+                "   the new endpoint's {} did not appear within {CHANGE_TIMEOUT:?}",
+                if self.ipvs() { "real server" } else { "chain" }
+            )?,
+        }
+        self.show_rules()?;
+        let report = self.bed.probe(&self.bed.client, &ProbeArgs::tcp(cip).with_count(100))?;
+        writeln!(self.out, "   100 new connections: {}", summary(&report))?;
+        if !report.names().contains_key(&new_name) {
+            writeln!(self.out, "   (the new endpoint {new_name} got none of them)")?;
+        }
+        if self.ipvs() {
+            writeln!(
+                self.out,
+                "   rr splits them exactly; the real servers already there are not touched (iptables mode rewrites the Service's chain with new probabilities)"
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Step 4: no endpoints, and what a client then gets.
+    fn scale_to_zero(&mut self) -> Result<()> {
+        let cip = self.cip;
+        writeln!(self.out, "\n4. Scale to 0 endpoints")?;
+        write_manifests(self.dir, &web(&[]))?;
+        let bed = &self.bed;
+        match self.mode {
+            ProxyMode::Nftables => {
+                let has_reject = || rules(bed, true).unwrap_or_default().contains("goto reject-chain");
+                if poll(CHANGE_TIMEOUT, has_reject).is_some() {
+                    for l in rules(bed, true)?.lines().filter(|l| l.contains("reject")) {
+                        writeln!(self.out, "   nft: {}", l.trim())?;
+                    }
+                }
+            }
+            ProxyMode::Iptables => {
+                let reject = format!("{SERVICE} has no endpoints");
+                let filter = || bed.node.exec_ok("iptables-save", ["-t", "filter"]).unwrap_or_default();
+                if poll(CHANGE_TIMEOUT, || filter().contains(&reject)).is_some() {
+                    for l in filter().lines().filter(|l| l.contains(&reject)) {
+                        writeln!(self.out, "   filter: {l}")?;
+                    }
+                }
+            }
+            ProxyMode::Ipvs => show_ipvs_no_endpoints(self.out, bed, cip)?,
+        }
+        let report = bed.probe(&bed.client, &ProbeArgs::tcp(cip).with_count(3).with_timeout_ms(2000))?;
+        for a in &report.attempts {
+            writeln!(
+                self.out,
+                "   connect {cip}: {} after {:.1} ms",
+                a.error.as_deref().unwrap_or("answered"),
+                a.elapsed_us as f64 / 1000.0
+            )?;
+        }
+        if self.ipvs() {
+            writeln!(
+                self.out,
+                "   no REJECT rule here: with no real server to schedule, IPVS itself answers ICMP port unreachable (iptables mode rejects in the filter table)"
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Step 5: the endpoints back, and the NodePort from the outside host.
+    fn node_port(&mut self) -> Result<()> {
+        let (mode, cip, nft) = (self.mode, self.cip, self.nft);
+        writeln!(self.out, "\n5. The NodePort from the outside host")?;
+        write_manifests(self.dir, &web(&endpoints_of(&self.bed)))?;
+        let first = self.bed.endpoint(0).server_addr();
+        poll(CHANGE_TIMEOUT, || serving(&self.bed, mode, cip, first));
+        if self.ipvs() {
+            show_ipvs_node_port(self.out, &self.bed)?;
+        } else {
+            let n = rules(&self.bed, nft)?;
+            let external = if nft {
+                "external-".to_string()
+            } else {
+                format!("-A {} ", self.chains.external)
+            };
+            for l in n.lines().filter(|l| {
+                l.starts_with("-A KUBE-NODEPORTS")
+                    || l.contains(&external)
+                    || (nft && l.contains(&NODE_PORT.to_string()))
+            }) {
+                writeln!(self.out, "   {}", l.trim())?;
+            }
+        }
+        let bed = &self.bed;
+        let outside = bed.outside_ips()[0];
+        let np = SocketAddr::new(bed.node_ip(), NODE_PORT);
+        let report = bed.probe(&bed.outside, &ProbeArgs::tcp(np).with_bind(outside).with_count(10))?;
+        let seen: Vec<String> = report.seen_sources().iter().map(ToString::to_string).collect();
+        writeln!(
+            self.out,
+            "   10 connections from {outside} to {np}: {}",
+            summary(&report)
+        )?;
+        writeln!(
+            self.out,
+            "   the endpoints saw the client as {} (the node's address: masqueraded, externalTrafficPolicy Cluster)",
+            seen.join(", ")
+        )?;
+        Ok(())
+    }
+
+    /// Step 6: IPVS's connection table, or conntrack's DNAT mappings.
+    fn connection_table(&mut self) -> Result<()> {
+        if self.ipvs() {
+            writeln!(
+                self.out,
+                "\n6. A few entries of IPVS's own connection table in the node namespace (ipvsadm -Lnc)"
+            )?;
+            for l in ipvs::connections(&self.bed, self.cip, 4)? {
+                writeln!(self.out, "   {l}")?;
+            }
+            writeln!(
+                self.out,
+                "   IPVS keeps its own table (which connection went to which real server, and TIME_WAIT for 2 min); with net.ipv4.vs.conntrack=1 conntrack tracks them too, for the masquerade"
+            )?;
+            return Ok(());
         }
         writeln!(
-            out,
-            "   IPVS keeps its own table (which connection went to which real server, and TIME_WAIT for 2 min); with net.ipv4.vs.conntrack=1 conntrack tracks them too, for the masquerade"
-        )?;
-    } else {
-        writeln!(
-            out,
+            self.out,
             "\n6. A few conntrack entries in the node namespace (the DNAT mapping)"
         )?;
-        match bed
+        match self
+            .bed
             .node
             .exec("conntrack", ["-L", "-p", "tcp", "--orig-dst", CLUSTER_IP])
         {
             Ok(o) if o.status.success() => {
                 for l in String::from_utf8_lossy(&o.stdout).lines().take(4) {
-                    writeln!(out, "   {l}")?;
+                    writeln!(self.out, "   {l}")?;
                 }
             }
-            _ => writeln!(out, "   (conntrack is not installed: apt-get install -y conntrack)")?,
+            _ => writeln!(
+                self.out,
+                "   (conntrack is not installed: apt-get install -y conntrack)"
+            )?,
         }
+        Ok(())
     }
-
-    let id = bed.id().to_string();
-    drop(daemon);
-    drop(bed);
-    // Checked, not assumed: the report's last line is a promise.
-    let left = leftover_namespaces(&id)?;
-    if !left.is_empty() {
-        bail!("namespaces of the lab left behind: {}", left.join(", "));
-    }
-    writeln!(
-        out,
-        "\nDone: the namespaces and processes of the lab are removed (`ip netns list` shows none named {id}-*)."
-    )?;
-    Ok(())
 }
 
 /// The lab's namespaces that still exist (`ip netns list`, names starting with `id-`).

@@ -24,7 +24,7 @@ use k8s_openapi::api::core::v1::Node;
 pub use endpoints::{Endpoint, Hints, SliceEntry, SlicePort, endpoints_by_service_port};
 pub use services::{ServiceEntry, ServicePort, ServicePortName, service_ports};
 pub use store::{StateBuilder, Store};
-pub use topology::{EndpointSets, categorize_endpoints};
+pub use topology::{EndpointSets, NodeTopology, categorize_endpoints};
 pub use types::{IpFamily, Protocol};
 
 use crate::manifest::Objects;

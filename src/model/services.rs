@@ -5,7 +5,7 @@ use std::fmt;
 use std::net::IpAddr;
 
 use ipnet::IpNet;
-use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::core::v1::{Service, ServicePort as ApiServicePort, ServiceSpec};
 
 use super::{IpFamily, LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME, Protocol, is_valid_name, is_valid_port_name};
 
@@ -189,15 +189,82 @@ fn service_to_ports(svc: &Service, family: IpFamily, warnings: &mut Vec<String>,
     ) else {
         return;
     };
+    let mut c = Conversion { id, family, warnings };
 
     let svc_type = spec.type_.as_deref().unwrap_or("ClusterIP");
     let externally_typed = svc_type == "LoadBalancer" || svc_type == "NodePort";
     let external_ips_raw = spec.external_ips.clone().unwrap_or_default();
     let external_policy_local =
         (externally_typed || !external_ips_raw.is_empty()) && spec.external_traffic_policy.as_deref() == Some("Local");
-    let internal_policy_local = spec.internal_traffic_policy.as_deref() == Some("Local");
+    let session_affinity_timeout = c.session_affinity_timeout(spec);
+    let external_ips = c.external_ips(&external_ips_raw);
+    let Some(load_balancer_source_ranges) = c.load_balancer_source_ranges(spec) else {
+        return;
+    };
+    let load_balancer_vips = c.load_balancer_vips(svc);
+    let needs_health_check = svc_type == "LoadBalancer" && external_policy_local;
+    let health_check_node_port = if needs_health_check {
+        c.health_check_node_port(spec)
+    } else {
+        0
+    };
+    // What every port of the Service shares.
+    let shared = ServicePort {
+        name: ServicePortName {
+            namespace,
+            name,
+            port: String::new(),
+            protocol: Protocol::Tcp,
+        },
+        cluster_ip,
+        port: 0,
+        protocol: Protocol::Tcp,
+        node_port: 0,
+        external_ips,
+        load_balancer_vips,
+        load_balancer_source_ranges,
+        health_check_node_port,
+        session_affinity_timeout,
+        external_policy_local,
+        internal_policy_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
+    };
+    for (i, port) in spec.ports.clone().unwrap_or_default().iter().enumerate() {
+        let Some((port_name, protocol, port, node_port)) = c.port(i, port) else {
+            continue;
+        };
+        out.push(ServicePort {
+            name: ServicePortName {
+                port: port_name,
+                protocol,
+                ..shared.name.clone()
+            },
+            port,
+            protocol,
+            node_port,
+            ..shared.clone()
+        });
+    }
+}
 
-    let session_affinity_timeout = if spec.session_affinity.as_deref() == Some("ClientIP") {
+/// The conversion of one Service's fields in one family: what is of another family is left
+/// out, and what is invalid is skipped with a warning about the field.
+struct Conversion<'a> {
+    /// `Service ns/name`, as warnings begin.
+    id: String,
+    family: IpFamily,
+    warnings: &'a mut Vec<String>,
+}
+
+impl Conversion<'_> {
+    fn warn(&mut self, field: &str, what: &str) {
+        self.warnings.push(format!("{}: field {field}: {what}", self.id));
+    }
+
+    /// The ClientIP affinity timeout, None without ClientIP affinity.
+    fn session_affinity_timeout(&mut self, spec: &ServiceSpec) -> Option<u32> {
+        if spec.session_affinity.as_deref() != Some("ClientIP") {
+            return None;
+        }
         let t = spec
             .session_affinity_config
             .as_ref()
@@ -205,138 +272,133 @@ fn service_to_ports(svc: &Service, family: IpFamily, warnings: &mut Vec<String>,
             .and_then(|c| c.timeout_seconds)
             .unwrap_or(DEFAULT_CLIENT_IP_TIMEOUT as i32);
         if !(1..=86400).contains(&t) {
-            warnings.push(format!(
-                "{id}: field spec.sessionAffinityConfig.clientIP.timeoutSeconds: {t} is outside 1..86400; using {DEFAULT_CLIENT_IP_TIMEOUT}"
-            ));
+            self.warn(
+                "spec.sessionAffinityConfig.clientIP.timeoutSeconds",
+                &format!("{t} is outside 1..86400; using {DEFAULT_CLIENT_IP_TIMEOUT}"),
+            );
             Some(DEFAULT_CLIENT_IP_TIMEOUT)
         } else {
             Some(t as u32)
         }
-    } else {
-        None
-    };
-
-    let mut external_ips = Vec::new();
-    for (i, raw) in external_ips_raw.iter().enumerate() {
-        match parse_ip(raw) {
-            Some(ip) if family.contains(&ip) => external_ips.push(ip),
-            Some(_) => {}
-            None => warnings.push(format!(
-                "{id}: field spec.externalIPs[{i}]: invalid IP {raw:?}; skipped"
-            )),
-        }
     }
 
-    let mut load_balancer_source_ranges = Vec::new();
-    let ranges_raw = spec.load_balancer_source_ranges.clone().unwrap_or_default();
-    let mut any_valid_range = false;
-    for (i, raw) in ranges_raw.iter().enumerate() {
-        match raw.trim().parse::<IpNet>() {
-            Ok(net) => {
-                any_valid_range = true;
-                if family.contains(&net.addr()) {
-                    load_balancer_source_ranges.push(net.trunc());
-                }
+    /// The IP in `field` if it is of this family; an invalid one is warned about.
+    fn ip_of_family(&mut self, field: impl FnOnce() -> String, raw: &str) -> Option<IpAddr> {
+        match parse_ip(raw) {
+            Some(ip) => self.family.contains(&ip).then_some(ip),
+            None => {
+                self.warn(&field(), &format!("invalid IP {raw:?}; skipped"));
+                None
             }
-            Err(_) => warnings.push(format!(
-                "{id}: field spec.loadBalancerSourceRanges[{i}]: invalid CIDR {raw:?}; skipped"
-            )),
-        }
-    }
-    if !ranges_raw.is_empty() && !any_valid_range {
-        // Dropping every range would open the load balancer to the world: fail closed.
-        warnings.push(format!(
-            "{id}: field spec.loadBalancerSourceRanges: no valid CIDR; Service skipped rather than opened to every source"
-        ));
-        return;
-    }
-
-    let mut load_balancer_vips = Vec::new();
-    let ingress = svc
-        .status
-        .as_ref()
-        .and_then(|s| s.load_balancer.as_ref())
-        .and_then(|lb| lb.ingress.clone())
-        .unwrap_or_default();
-    for (i, ing) in ingress.iter().enumerate() {
-        let Some(raw) = ing.ip.as_deref().filter(|s| !s.is_empty()) else {
-            continue;
-        };
-        // ipMode Proxy load balancers deliver to the node, not to the VIP.
-        if ing.ip_mode.as_deref().is_some_and(|m| m != "VIP") {
-            continue;
-        }
-        match parse_ip(raw) {
-            Some(ip) if family.contains(&ip) => load_balancer_vips.push(ip),
-            Some(_) => {}
-            None => warnings.push(format!(
-                "{id}: field status.loadBalancer.ingress[{i}].ip: invalid IP {raw:?}; skipped"
-            )),
         }
     }
 
-    let needs_health_check = svc_type == "LoadBalancer" && external_policy_local;
-    let mut health_check_node_port = 0u16;
-    if needs_health_check {
+    fn external_ips(&mut self, raw: &[String]) -> Vec<IpAddr> {
+        let mut external_ips = Vec::new();
+        for (i, raw) in raw.iter().enumerate() {
+            external_ips.extend(self.ip_of_family(|| format!("spec.externalIPs[{i}]"), raw));
+        }
+        external_ips
+    }
+
+    /// The source ranges of this family; None when none of the ranges is valid (the
+    /// Service is then skipped).
+    fn load_balancer_source_ranges(&mut self, spec: &ServiceSpec) -> Option<Vec<IpNet>> {
+        let mut ranges = Vec::new();
+        let ranges_raw = spec.load_balancer_source_ranges.clone().unwrap_or_default();
+        let mut any_valid_range = false;
+        for (i, raw) in ranges_raw.iter().enumerate() {
+            match raw.trim().parse::<IpNet>() {
+                Ok(net) => {
+                    any_valid_range = true;
+                    if self.family.contains(&net.addr()) {
+                        ranges.push(net.trunc());
+                    }
+                }
+                Err(_) => self.warn(
+                    &format!("spec.loadBalancerSourceRanges[{i}]"),
+                    &format!("invalid CIDR {raw:?}; skipped"),
+                ),
+            }
+        }
+        if !ranges_raw.is_empty() && !any_valid_range {
+            // Dropping every range would open the load balancer to the world: fail closed.
+            self.warn(
+                "spec.loadBalancerSourceRanges",
+                "no valid CIDR; Service skipped rather than opened to every source",
+            );
+            return None;
+        }
+        Some(ranges)
+    }
+
+    /// The load-balancer ingress IPs of this family that are VIPs.
+    fn load_balancer_vips(&mut self, svc: &Service) -> Vec<IpAddr> {
+        let mut vips = Vec::new();
+        let ingress = svc
+            .status
+            .as_ref()
+            .and_then(|s| s.load_balancer.as_ref())
+            .and_then(|lb| lb.ingress.clone())
+            .unwrap_or_default();
+        for (i, ing) in ingress.iter().enumerate() {
+            let Some(raw) = ing.ip.as_deref().filter(|s| !s.is_empty()) else {
+                continue;
+            };
+            // ipMode Proxy load balancers deliver to the node, not to the VIP.
+            if ing.ip_mode.as_deref().is_some_and(|m| m != "VIP") {
+                continue;
+            }
+            vips.extend(self.ip_of_family(|| format!("status.loadBalancer.ingress[{i}].ip"), raw));
+        }
+        vips
+    }
+
+    /// The health-check node port of a Service that needs one; 0 when it has none.
+    fn health_check_node_port(&mut self, spec: &ServiceSpec) -> u16 {
         match spec.health_check_node_port {
-            Some(p) if (1..=65535).contains(&p) => health_check_node_port = p as u16,
-            Some(p) if p != 0 => warnings.push(format!(
-                "{id}: field spec.healthCheckNodePort: {p} is not a valid port; skipped"
-            )),
-            _ => warnings.push(format!(
-                "{id}: field spec.healthCheckNodePort: Service has no health check node port"
-            )),
+            Some(p) if (1..=65535).contains(&p) => return p as u16,
+            Some(p) if p != 0 => self.warn("spec.healthCheckNodePort", &format!("{p} is not a valid port; skipped")),
+            _ => self.warn("spec.healthCheckNodePort", "Service has no health check node port"),
         }
+        0
     }
 
-    for (i, port) in spec.ports.clone().unwrap_or_default().iter().enumerate() {
+    /// Port `i` of the Service as (name, protocol, port, nodePort); None (with a warning)
+    /// when it is invalid.
+    fn port(&mut self, i: usize, port: &ApiServicePort) -> Option<(String, Protocol, u16, u16)> {
         let port_name = port.name.clone().unwrap_or_default();
         if !is_valid_port_name(&port_name) {
-            warnings.push(format!(
-                "{id}: field spec.ports[{i}].name: invalid port name {port_name:?}; port skipped"
-            ));
-            continue;
+            self.warn(
+                &format!("spec.ports[{i}].name"),
+                &format!("invalid port name {port_name:?}; port skipped"),
+            );
+            return None;
         }
         let proto_raw = port.protocol.as_deref().unwrap_or("TCP");
         let Some(protocol) = Protocol::from_api(proto_raw) else {
-            warnings.push(format!(
-                "{id}: field spec.ports[{i}].protocol: unknown protocol {proto_raw:?}; port skipped"
-            ));
-            continue;
+            self.warn(
+                &format!("spec.ports[{i}].protocol"),
+                &format!("unknown protocol {proto_raw:?}; port skipped"),
+            );
+            return None;
         };
         if !(1..=65535).contains(&port.port) {
-            warnings.push(format!(
-                "{id}: field spec.ports[{i}].port: {} is out of range 1-65535; port skipped",
-                port.port
-            ));
-            continue;
+            self.warn(
+                &format!("spec.ports[{i}].port"),
+                &format!("{} is out of range 1-65535; port skipped", port.port),
+            );
+            return None;
         }
         let node_port = port.node_port.unwrap_or(0);
         if !(0..=65535).contains(&node_port) {
-            warnings.push(format!(
-                "{id}: field spec.ports[{i}].nodePort: {node_port} is out of range 1-65535; port skipped"
-            ));
-            continue;
+            self.warn(
+                &format!("spec.ports[{i}].nodePort"),
+                &format!("{node_port} is out of range 1-65535; port skipped"),
+            );
+            return None;
         }
-        out.push(ServicePort {
-            name: ServicePortName {
-                namespace: namespace.clone(),
-                name: name.clone(),
-                port: port_name,
-                protocol,
-            },
-            cluster_ip,
-            port: port.port as u16,
-            protocol,
-            node_port: node_port as u16,
-            external_ips: external_ips.clone(),
-            load_balancer_vips: load_balancer_vips.clone(),
-            load_balancer_source_ranges: load_balancer_source_ranges.clone(),
-            health_check_node_port,
-            session_affinity_timeout,
-            external_policy_local,
-            internal_policy_local,
-        });
+        Some((port_name, protocol, port.port as u16, node_port as u16))
     }
 }
 

@@ -2,7 +2,7 @@
 //! `CategorizeEndpoints` (ready endpoints, terminating-but-serving fallback, topology hints,
 //! traffic policies).
 
-use super::{Endpoint, ServicePort};
+use super::{Endpoint, NodeInfo, ServicePort, ServicePortState};
 
 /// The endpoint sets of one service port on this node.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -15,6 +15,48 @@ pub struct EndpointSets {
     pub all_reachable: Vec<Endpoint>,
     /// Whether the service has usable endpoints anywhere in the cluster (REJECT when false).
     pub has_any: bool,
+}
+
+impl EndpointSets {
+    /// Whether traffic under a traffic policy (`policy_local`: Local, else Cluster) has
+    /// endpoints to go to: local ones for Local, any for Cluster.
+    pub fn has_for_policy(&self, policy_local: bool) -> bool {
+        if policy_local {
+            !self.local.is_empty()
+        } else {
+            self.has_any
+        }
+    }
+}
+
+/// What decides, on this node, which endpoints a service port uses: the node's name and zone,
+/// and whether hints for the node itself count (`PreferSameTrafficDistribution`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeTopology {
+    pub node_name: String,
+    pub zone: Option<String>,
+    pub prefer_same_node: bool,
+}
+
+impl NodeTopology {
+    pub fn new(node: &NodeInfo, prefer_same_node: bool) -> NodeTopology {
+        NodeTopology {
+            node_name: node.name.clone(),
+            zone: node.zone().map(str::to_string),
+            prefer_same_node,
+        }
+    }
+
+    /// [`categorize_endpoints`] of one service port as seen from this node.
+    pub fn endpoint_sets(&self, sps: &ServicePortState) -> EndpointSets {
+        categorize_endpoints(
+            &sps.endpoints,
+            &sps.port,
+            &self.node_name,
+            self.zone.as_deref(),
+            self.prefer_same_node,
+        )
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

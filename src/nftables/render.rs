@@ -30,7 +30,7 @@ use super::ast::{
 };
 use super::names::*;
 use crate::config::LocalDetector;
-use crate::model::{Endpoint, IpFamily, ProxyState, ServicePortState, categorize_endpoints};
+use crate::model::{Endpoint, EndpointSets, IpFamily, NodeTopology, ProxyState, ServicePort, ServicePortState};
 use crate::proxy::{NodePortAddresses, RenderOptions, local_addresses};
 
 /// One base chain: name, type, hook, numeric priority (knftables' `dstnat-10` etc.).
@@ -259,9 +259,8 @@ struct Ctx {
     no_localhost: Match,
     mark: u32,
     masquerade_all: bool,
-    prefer_same_node: bool,
-    node_name: String,
-    zone: Option<String>,
+    /// What decides which endpoints each service port uses on this node.
+    topology: NodeTopology,
     node_ip: Option<IpAddr>,
     node_port_addresses: NodePortAddresses,
     local_addresses: Vec<IpAddr>,
@@ -288,9 +287,7 @@ impl Ctx {
             },
             mark: 1u32.checked_shl(u32::from(opts.masquerade_bit)).unwrap_or(0),
             masquerade_all: opts.masquerade_all,
-            prefer_same_node: opts.prefer_same_node,
-            node_name: state.node.name.clone(),
-            zone: state.node.zone().map(str::to_string),
+            topology: NodeTopology::new(&state.node, opts.prefer_same_node),
             node_ip,
             node_port_addresses: NodePortAddresses::new(family, &opts.node_port_addresses, node_ip),
             local_addresses: local_addresses(state),
@@ -385,9 +382,33 @@ impl ServiceRenderer {
 
 /// Upstream's `setupNFTables`: the table, base chains, fixed chains, sets and maps.
 fn setup(tx: &mut Tx, ctx: &Ctx, first_sync: bool) {
-    let mark = ctx.mark;
     tx.tx.push(Op::AddTable);
+    base_chains(tx, first_sync);
+    masquerading(tx, ctx.mark);
+    cluster_ips_check(tx, ctx);
+    nodeport_ips(tx, ctx);
+    no_endpoint_checks(tx, ctx);
+    firewall_check(tx);
+    service_maps(tx, ctx);
+    // Flush the containers (a full sync re-adds every element).
+    for (name, map) in [
+        (CLUSTER_IPS, false),
+        (SERVICE_IPS, true),
+        (FIREWALL_IPS, true),
+        (NO_ENDPOINT_SERVICES, true),
+        (NO_ENDPOINT_NODEPORTS, true),
+        (SERVICE_NODEPORTS, true),
+    ] {
+        tx.tx.push(Op::FlushSet {
+            name: name.to_string(),
+            map,
+        });
+    }
+}
 
+/// The base chains (re-created on the first sync), the regular chains they jump to, and the
+/// other fixed chains.
+fn base_chains(tx: &mut Tx, first_sync: bool) {
     if first_sync {
         for bc in &BASE_CHAINS {
             tx.add_chain(bc.name);
@@ -406,7 +427,6 @@ fn setup(tx: &mut Tx, ctx: &Ctx, first_sync: bool) {
         }));
         tx.flush_chain(bc.name);
     }
-
     for (dst, src, ct_new) in JUMP_CHAINS {
         tx.ensure_chain(dst);
         let matches = if ct_new { vec![Match::CtStateNew] } else { vec![] };
@@ -415,7 +435,11 @@ fn setup(tx: &mut Tx, ctx: &Ctx, first_sync: bool) {
     for chain in [SERVICES, CLUSTER_IPS_CHECK, MASQUERADING, MARK_FOR_MASQUERADE] {
         tx.ensure_chain(chain);
     }
+}
 
+/// `mark-for-masquerade` sets the mark; `masquerading` masquerades marked packets (and
+/// clears the mark so that a packet re-traversing the stack is not masqueraded twice).
+fn masquerading(tx: &mut Tx, mark: u32) {
     tx.add_rule(MARK_FOR_MASQUERADE, Rule::new(vec![], Statement::MarkSetOr(mark)));
     tx.add_rule(
         MASQUERADING,
@@ -423,7 +447,11 @@ fn setup(tx: &mut Tx, ctx: &Ctx, first_sync: bool) {
     );
     tx.add_rule(MASQUERADING, Rule::new(vec![], Statement::MarkSetXor(mark)));
     tx.add_rule(MASQUERADING, Rule::new(vec![], Statement::Masquerade));
+}
 
+/// `cluster-ips` and `cluster-ips-check`: unknown ports of ClusterIPs are rejected, and
+/// addresses of the ServiceCIDRs that are no ClusterIP dropped.
+fn cluster_ips_check(tx: &mut Tx, ctx: &Ctx) {
     tx.add_set(CLUSTER_IPS, KeyType::Addr, false, Some("Active ClusterIPs"));
     tx.add_rule(
         CLUSTER_IPS_CHECK,
@@ -447,42 +475,68 @@ fn setup(tx: &mut Tx, ctx: &Ctx, first_sync: bool) {
             .with_comment("Drop traffic to unallocated ClusterIPs"),
         );
     }
+}
 
-    // nodeport-ips exists only when nodePortAddresses is not match-all ("add + delete"
-    // removes it without failing when it does not exist).
+/// `nodeport-ips` exists only when nodePortAddresses is not match-all ("add + delete"
+/// removes it without failing when it does not exist).
+fn nodeport_ips(tx: &mut Tx, ctx: &Ctx) {
     tx.add_set(
         NODEPORT_IPS,
         KeyType::Addr,
         false,
         Some("IPs that accept NodePort traffic"),
     );
-    let match_all = ctx.node_port_addresses.match_all();
-    if match_all {
+    if ctx.node_port_addresses.match_all() {
         tx.tx.push(Op::DeleteSet {
             name: NODEPORT_IPS.to_string(),
             map: false,
         });
-    } else {
-        tx.tx.push(Op::FlushSet {
-            name: NODEPORT_IPS.to_string(),
-            map: false,
-        });
-        for ip in ctx.node_port_addresses.node_ips(&ctx.local_addresses) {
-            // Localhost NodePorts are not supported in nftables mode.
-            if ip.is_loopback() {
-                continue;
-            }
-            tx.tx.push(Op::AddElement {
-                set: NODEPORT_IPS.to_string(),
-                element: Element {
-                    key: ElemKey::Addr(ip),
-                    value: None,
-                    comment: None,
-                },
-            });
-        }
+        return;
     }
+    tx.tx.push(Op::FlushSet {
+        name: NODEPORT_IPS.to_string(),
+        map: false,
+    });
+    for ip in ctx.node_port_addresses.node_ips(&ctx.local_addresses) {
+        // Localhost NodePorts are not supported in nftables mode.
+        if ip.is_loopback() {
+            continue;
+        }
+        tx.tx.push(Op::AddElement {
+            set: NODEPORT_IPS.to_string(),
+            element: Element {
+                key: ElemKey::Addr(ip),
+                value: None,
+                comment: None,
+            },
+        });
+    }
+}
 
+/// The destination match of NodePort traffic: any local address but loopback (match-all),
+/// or those of `nodeport-ips`.
+fn nodeport_daddr(ctx: &Ctx) -> Match {
+    if ctx.node_port_addresses.match_all() {
+        ctx.no_localhost.clone()
+    } else {
+        addr_in_set(Dir::Daddr, NODEPORT_IPS)
+    }
+}
+
+/// A rule looking a packet's destination up in the verdict map `map`.
+fn vmap_rule(matches: Vec<Match>, key: VmapKey, map: &str) -> Rule {
+    Rule::new(
+        matches,
+        Statement::Vmap {
+            key,
+            map: map.to_string(),
+        },
+    )
+}
+
+/// `no-endpoint-services` / `no-endpoint-nodeports`, the reject chain their verdicts go to,
+/// and the endpoint checks that look them up.
+fn no_endpoint_checks(tx: &mut Tx, ctx: &Ctx) {
     tx.add_set(
         NO_ENDPOINT_SERVICES,
         KeyType::AddrProtoPort,
@@ -506,30 +560,16 @@ fn setup(tx: &mut Tx, ctx: &Ctx, first_sync: bool) {
 
     tx.add_rule(
         SERVICE_ENDPOINTS_CHECK,
-        Rule::new(
-            vec![],
-            Statement::Vmap {
-                key: VmapKey::DaddrProtoPort,
-                map: NO_ENDPOINT_SERVICES.to_string(),
-            },
-        ),
+        vmap_rule(vec![], VmapKey::DaddrProtoPort, NO_ENDPOINT_SERVICES),
     );
-    let nodeport_daddr = if match_all {
-        ctx.no_localhost.clone()
-    } else {
-        addr_in_set(Dir::Daddr, NODEPORT_IPS)
-    };
     tx.add_rule(
         NODEPORT_ENDPOINTS_CHECK,
-        Rule::new(
-            vec![nodeport_daddr.clone()],
-            Statement::Vmap {
-                key: VmapKey::ProtoPort,
-                map: NO_ENDPOINT_NODEPORTS.to_string(),
-            },
-        ),
+        vmap_rule(vec![nodeport_daddr(ctx)], VmapKey::ProtoPort, NO_ENDPOINT_NODEPORTS),
     );
+}
 
+/// `firewall-ips` and `firewall-check`: loadBalancerSourceRanges.
+fn firewall_check(tx: &mut Tx) {
     tx.add_set(
         FIREWALL_IPS,
         KeyType::AddrProtoPort,
@@ -537,17 +577,11 @@ fn setup(tx: &mut Tx, ctx: &Ctx, first_sync: bool) {
         Some("destinations that are subject to LoadBalancerSourceRanges"),
     );
     tx.ensure_chain(FIREWALL_CHECK);
-    tx.add_rule(
-        FIREWALL_CHECK,
-        Rule::new(
-            vec![],
-            Statement::Vmap {
-                key: VmapKey::DaddrProtoPort,
-                map: FIREWALL_IPS.to_string(),
-            },
-        ),
-    );
+    tx.add_rule(FIREWALL_CHECK, vmap_rule(vec![], VmapKey::DaddrProtoPort, FIREWALL_IPS));
+}
 
+/// `service-ips` and `service-nodeports`, and the `services` rules that dispatch to them.
+fn service_maps(tx: &mut Tx, ctx: &Ctx) {
     tx.add_set(
         SERVICE_IPS,
         KeyType::AddrProtoPort,
@@ -555,46 +589,16 @@ fn setup(tx: &mut Tx, ctx: &Ctx, first_sync: bool) {
         Some("ClusterIP, ExternalIP and LoadBalancer IP traffic"),
     );
     tx.add_set(SERVICE_NODEPORTS, KeyType::ProtoPort, true, Some("NodePort traffic"));
-    tx.add_rule(
-        SERVICES,
-        Rule::new(
-            vec![],
-            Statement::Vmap {
-                key: VmapKey::DaddrProtoPort,
-                map: SERVICE_IPS.to_string(),
-            },
-        ),
-    );
-    let nodeport_matches = if match_all {
-        vec![Match::FibLocal(Dir::Daddr), nodeport_daddr]
+    tx.add_rule(SERVICES, vmap_rule(vec![], VmapKey::DaddrProtoPort, SERVICE_IPS));
+    let nodeport_matches = if ctx.node_port_addresses.match_all() {
+        vec![Match::FibLocal(Dir::Daddr), nodeport_daddr(ctx)]
     } else {
-        vec![nodeport_daddr]
+        vec![nodeport_daddr(ctx)]
     };
     tx.add_rule(
         SERVICES,
-        Rule::new(
-            nodeport_matches,
-            Statement::Vmap {
-                key: VmapKey::ProtoPort,
-                map: SERVICE_NODEPORTS.to_string(),
-            },
-        ),
+        vmap_rule(nodeport_matches, VmapKey::ProtoPort, SERVICE_NODEPORTS),
     );
-
-    // Flush the containers (a full sync re-adds every element).
-    for (name, map) in [
-        (CLUSTER_IPS, false),
-        (SERVICE_IPS, true),
-        (FIREWALL_IPS, true),
-        (NO_ENDPOINT_SERVICES, true),
-        (NO_ENDPOINT_NODEPORTS, true),
-        (SERVICE_NODEPORTS, true),
-    ] {
-        tx.tx.push(Op::FlushSet {
-            name: name.to_string(),
-            map,
-        });
-    }
 }
 
 /// The endpoint chain and affinity set names of `ep` for the service port of `sps`.
@@ -612,142 +616,203 @@ fn endpoint_names(sps: &ServicePortState, ep: &Endpoint) -> EndpointNames {
 
 /// The per-service part of upstream's `syncProxyRules`, in its order.
 fn render_service(tx: &mut Tx, ctx: &Ctx, sps: &ServicePortState) {
-    let svc = &sps.port;
-    let protocol = svc.protocol;
-    let proto = protocol.lower();
-    let name_string = svc.name.to_string();
-    let chains = ServicePortChains::new(&svc.name.namespace, &svc.name.name, proto, &svc.name.port);
-    let sets = categorize_endpoints(
-        &sps.endpoints,
-        svc,
-        &ctx.node_name,
-        ctx.zone.as_deref(),
-        ctx.prefer_same_node,
-    );
-    let has_endpoints = sets.has_any;
-    let affinity = svc.session_affinity_timeout;
+    let r = ServiceRules::new(ctx, sps);
+    r.declare_chains(tx);
+    // The dispatch to the service's chains (or its drop/reject), per kind of address.
+    r.cluster_ip(tx);
+    r.external_ips(tx);
+    r.load_balancer_ips(tx);
+    r.node_port(tx);
+    // The service's own chains and sets.
+    r.internal_masquerade(tx);
+    r.external_chain(tx);
+    r.firewall_chain(tx);
+    r.affinity_sets(tx);
+    r.service_chains(tx);
+    r.endpoint_chains(tx);
+}
 
-    for ep in &sets.all_reachable {
-        tx.ensure_chain(&endpoint_names(sps, ep).chain);
-    }
+/// One service port being rendered: its names, its endpoints, and which of its chains its
+/// traffic goes through.
+struct ServiceRules<'a> {
+    ctx: &'a Ctx,
+    sps: &'a ServicePortState,
+    svc: &'a ServicePort,
+    /// `ns/svc:port`, the comment of its no-endpoint elements.
+    name: String,
+    chains: ServicePortChains,
+    sets: EndpointSets,
+    /// Internal (ClusterIP) traffic has endpoints under its traffic policy.
+    has_internal: bool,
+    /// External traffic has endpoints under its traffic policy.
+    has_external: bool,
+    /// The verdict of the no-endpoint maps: reject without any endpoint, else drop.
+    no_endpoint_verdict: Verdict,
+}
 
-    let cluster_chain = &chains.cluster;
-    let uses_cluster_chain = !sets.cluster.is_empty() && svc.uses_cluster_endpoints();
-    if uses_cluster_chain {
-        tx.ensure_chain(cluster_chain);
-    }
-    let local_chain = &chains.local;
-    let uses_local_chain = !sets.local.is_empty() && svc.uses_local_endpoints();
-    if uses_local_chain {
-        tx.ensure_chain(local_chain);
-    }
-
-    let (internal_chain, has_internal) = if svc.internal_policy_local {
-        (local_chain, has_endpoints && !sets.local.is_empty())
-    } else {
-        (cluster_chain, has_endpoints)
-    };
-    let (external_policy_chain, has_external) = if svc.external_policy_local {
-        (local_chain, has_endpoints && !sets.local.is_empty())
-    } else {
-        (cluster_chain, has_endpoints)
-    };
-    let external_chain = &chains.external;
-    // Based on has_endpoints, not has_external: the short-circuit rules for local traffic
-    // are needed even when there are no externally usable endpoints.
-    let uses_external_chain = has_endpoints && svc.externally_accessible();
-    if uses_external_chain {
-        tx.ensure_chain(external_chain);
-    }
-
-    let no_endpoint_verdict = if !has_endpoints {
-        goto(REJECT_CHAIN)
-    } else {
-        Verdict::Drop
-    };
-
-    let port = svc.port;
-    let key = |ip: &IpAddr| ElemKey::AddrProtoPort(*ip, protocol, port);
-    let cluster_ip = svc.cluster_ip;
-
-    tx.ensure_element(CLUSTER_IPS, ElemKey::Addr(cluster_ip), None, None);
-    if has_internal {
-        tx.ensure_element(SERVICE_IPS, key(&cluster_ip), Some(goto(internal_chain)), None);
-    } else {
-        tx.ensure_element(
-            NO_ENDPOINT_SERVICES,
-            key(&cluster_ip),
-            Some(no_endpoint_verdict.clone()),
-            Some(&name_string),
+impl<'a> ServiceRules<'a> {
+    fn new(ctx: &'a Ctx, sps: &'a ServicePortState) -> ServiceRules<'a> {
+        let svc = &sps.port;
+        let chains = ServicePortChains::new(
+            &svc.name.namespace,
+            &svc.name.name,
+            svc.protocol.lower(),
+            &svc.name.port,
         );
+        let sets = ctx.topology.endpoint_sets(sps);
+        let no_endpoint_verdict = if !sets.has_any {
+            goto(REJECT_CHAIN)
+        } else {
+            Verdict::Drop
+        };
+        ServiceRules {
+            ctx,
+            sps,
+            svc,
+            name: svc.name.to_string(),
+            chains,
+            has_internal: sets.has_for_policy(svc.internal_policy_local),
+            has_external: sets.has_for_policy(svc.external_policy_local),
+            sets,
+            no_endpoint_verdict,
+        }
     }
 
-    for ext in &svc.external_ips {
-        if has_endpoints {
-            tx.ensure_element(SERVICE_IPS, key(ext), Some(goto(external_chain)), None);
-        }
-        if !has_external {
-            // No endpoints at all (reject), or none for external traffic (drop what the
-            // external chain did not short-circuit).
-            tx.ensure_element(
-                NO_ENDPOINT_SERVICES,
-                key(ext),
-                Some(no_endpoint_verdict.clone()),
-                Some(&name_string),
-            );
+    fn has_endpoints(&self) -> bool {
+        self.sets.has_any
+    }
+
+    fn uses_cluster_chain(&self) -> bool {
+        !self.sets.cluster.is_empty() && self.svc.uses_cluster_endpoints()
+    }
+
+    fn uses_local_chain(&self) -> bool {
+        !self.sets.local.is_empty() && self.svc.uses_local_endpoints()
+    }
+
+    /// Based on has_endpoints, not has_external: the short-circuit rules for local traffic
+    /// are needed even when there are no externally usable endpoints.
+    fn uses_external_chain(&self) -> bool {
+        self.has_endpoints() && self.svc.externally_accessible()
+    }
+
+    /// Unlike the iptables mode, the firewall chain does not depend on having endpoints.
+    fn uses_fw_chain(&self) -> bool {
+        !self.svc.load_balancer_vips.is_empty() && !self.svc.load_balancer_source_ranges.is_empty()
+    }
+
+    /// `local-…` for a Local policy, `service-…` for Cluster.
+    fn policy_chain(&self, policy_local: bool) -> &str {
+        if policy_local {
+            &self.chains.local
+        } else {
+            &self.chains.cluster
         }
     }
 
-    // Unlike the iptables mode, the firewall chain does not depend on having endpoints.
-    let uses_fw_chain = !svc.load_balancer_vips.is_empty() && !svc.load_balancer_source_ranges.is_empty();
-    let fw_chain = &chains.firewall;
-    if uses_fw_chain {
-        tx.ensure_chain(fw_chain);
+    /// The `service-ips` / `firewall-ips` / `no-endpoint-services` key of `ip`.
+    fn key(&self, ip: IpAddr) -> ElemKey {
+        ElemKey::AddrProtoPort(ip, self.svc.protocol, self.svc.port)
     }
-    for lb in &svc.load_balancer_vips {
-        if has_endpoints {
-            tx.ensure_element(SERVICE_IPS, key(lb), Some(goto(external_chain)), None);
+
+    /// Drop or reject traffic to `key` in the no-endpoint map `map`.
+    fn no_endpoint(&self, tx: &mut Tx, map: &'static str, key: ElemKey) {
+        tx.ensure_element(map, key, Some(self.no_endpoint_verdict.clone()), Some(&self.name));
+    }
+
+    /// The endpoint chains, then the service's chains that have rules (the firewall chain
+    /// comes later, among the load-balancer elements).
+    fn declare_chains(&self, tx: &mut Tx) {
+        for ep in &self.sets.all_reachable {
+            tx.ensure_chain(&endpoint_names(self.sps, ep).chain);
         }
+        if self.uses_cluster_chain() {
+            tx.ensure_chain(&self.chains.cluster);
+        }
+        if self.uses_local_chain() {
+            tx.ensure_chain(&self.chains.local);
+        }
+        if self.uses_external_chain() {
+            tx.ensure_chain(&self.chains.external);
+        }
+    }
+
+    fn cluster_ip(&self, tx: &mut Tx) {
+        let cluster_ip = self.svc.cluster_ip;
+        tx.ensure_element(CLUSTER_IPS, ElemKey::Addr(cluster_ip), None, None);
+        if self.has_internal {
+            let internal_chain = self.policy_chain(self.svc.internal_policy_local);
+            tx.ensure_element(SERVICE_IPS, self.key(cluster_ip), Some(goto(internal_chain)), None);
+        } else {
+            self.no_endpoint(tx, NO_ENDPOINT_SERVICES, self.key(cluster_ip));
+        }
+    }
+
+    fn external_ips(&self, tx: &mut Tx) {
+        for &ext in &self.svc.external_ips {
+            if self.has_endpoints() {
+                tx.ensure_element(SERVICE_IPS, self.key(ext), Some(goto(&self.chains.external)), None);
+            }
+            if !self.has_external {
+                // No endpoints at all (reject), or none for external traffic (drop what the
+                // external chain did not short-circuit).
+                self.no_endpoint(tx, NO_ENDPOINT_SERVICES, self.key(ext));
+            }
+        }
+    }
+
+    fn load_balancer_ips(&self, tx: &mut Tx) {
+        let uses_fw_chain = self.uses_fw_chain();
         if uses_fw_chain {
-            tx.ensure_element(FIREWALL_IPS, key(lb), Some(goto(fw_chain)), None);
+            tx.ensure_chain(&self.chains.firewall);
         }
-    }
-    if !has_external {
-        for lb in &svc.load_balancer_vips {
-            tx.ensure_element(
-                NO_ENDPOINT_SERVICES,
-                key(lb),
-                Some(no_endpoint_verdict.clone()),
-                Some(&name_string),
-            );
+        for &lb in &self.svc.load_balancer_vips {
+            if self.has_endpoints() {
+                tx.ensure_element(SERVICE_IPS, self.key(lb), Some(goto(&self.chains.external)), None);
+            }
+            if uses_fw_chain {
+                tx.ensure_element(FIREWALL_IPS, self.key(lb), Some(goto(&self.chains.firewall)), None);
+            }
+        }
+        if !self.has_external {
+            for &lb in &self.svc.load_balancer_vips {
+                self.no_endpoint(tx, NO_ENDPOINT_SERVICES, self.key(lb));
+            }
         }
     }
 
-    let node_port = svc.node_port;
-    if node_port != 0 {
-        let np_key = ElemKey::ProtoPort(protocol, node_port);
-        if has_endpoints {
+    fn node_port(&self, tx: &mut Tx) {
+        let node_port = self.svc.node_port;
+        if node_port == 0 {
+            return;
+        }
+        let np_key = ElemKey::ProtoPort(self.svc.protocol, node_port);
+        if self.has_endpoints() {
             // NodePorts are not subject to loadBalancerSourceRanges (upstream behaviour).
-            tx.ensure_element(SERVICE_NODEPORTS, np_key.clone(), Some(goto(external_chain)), None);
-        }
-        if !has_external {
             tx.ensure_element(
-                NO_ENDPOINT_NODEPORTS,
-                np_key,
-                Some(no_endpoint_verdict.clone()),
-                Some(&name_string),
+                SERVICE_NODEPORTS,
+                np_key.clone(),
+                Some(goto(&self.chains.external)),
+                None,
             );
+        }
+        if !self.has_external {
+            self.no_endpoint(tx, NO_ENDPOINT_NODEPORTS, np_key);
         }
     }
 
-    // Internal traffic: masquerade off-cluster sources (they may bounce off-node).
-    if has_internal {
+    /// Internal traffic: masquerade off-cluster sources (they may bounce off-node).
+    fn internal_masquerade(&self, tx: &mut Tx) {
+        if !self.has_internal {
+            return;
+        }
+        let internal_chain = self.policy_chain(self.svc.internal_policy_local);
         // The newest upstream matches only the ClusterIP here (the chain is reached through
         // service-ips, which already matched protocol and port).
-        let dst = daddr(IpNet::from(cluster_ip));
-        if ctx.masquerade_all {
+        let dst = daddr(IpNet::from(self.svc.cluster_ip));
+        if self.ctx.masquerade_all {
             tx.add_rule(internal_chain, Rule::verdict(vec![dst], jump(MARK_FOR_MASQUERADE)));
-        } else if let Some((_, if_not_local)) = &ctx.detector {
+        } else if let Some((_, if_not_local)) = &self.ctx.detector {
             tx.add_rule(
                 internal_chain,
                 Rule::verdict(vec![dst, if_not_local.clone()], jump(MARK_FOR_MASQUERADE)),
@@ -755,14 +820,19 @@ fn render_service(tx: &mut Tx, ctx: &Ctx, sps: &ServicePortState) {
         }
     }
 
-    if uses_external_chain {
-        if !svc.external_policy_local {
+    /// `external-…`: what NodePort, externalIP and load-balancer traffic goes through.
+    fn external_chain(&self, tx: &mut Tx) {
+        if !self.uses_external_chain() {
+            return;
+        }
+        let (external_chain, cluster_chain) = (&self.chains.external, &self.chains.cluster);
+        if !self.svc.external_policy_local {
             // Endpoints may be on other nodes: masquerade so replies come back through us.
             tx.add_rule(external_chain, Rule::verdict(vec![], jump(MARK_FOR_MASQUERADE)));
         } else {
             // Pod traffic to an external address behaves as if it went out to the load
             // balancer and came back: subject to no traffic policy.
-            if let Some((if_local, _)) = &ctx.detector {
+            if let Some((if_local, _)) = &self.ctx.detector {
                 tx.add_rule(
                     external_chain,
                     Rule::verdict(vec![if_local.clone()], goto(cluster_chain))
@@ -781,14 +851,21 @@ fn render_service(tx: &mut Tx, ctx: &Ctx, sps: &ServicePortState) {
                     .with_comment("short-circuit local traffic"),
             );
         }
-        if has_external {
+        if self.has_external {
+            let external_policy_chain = self.policy_chain(self.svc.external_policy_local);
             tx.add_rule(external_chain, Rule::verdict(vec![], goto(external_policy_chain)));
         }
     }
 
-    if uses_fw_chain {
+    /// `firewall-…`: drops what loadBalancerSourceRanges do not allow.
+    fn firewall_chain(&self, tx: &mut Tx) {
+        if !self.uses_fw_chain() {
+            return;
+        }
+        let svc = self.svc;
         let mut sources: Vec<IpNet> = svc.load_balancer_source_ranges.clone();
-        let allow_from_node = ctx
+        let allow_from_node = self
+            .ctx
             .node_ip
             .is_some_and(|ip| sources.iter().any(|cidr| cidr.contains(&ip)));
         // A VIP bound locally makes node→VIP traffic loop back with the VIP as source.
@@ -796,7 +873,7 @@ fn render_service(tx: &mut Tx, ctx: &Ctx, sps: &ServicePortState) {
             sources.extend(svc.load_balancer_vips.iter().map(|ip| IpNet::from(*ip)));
         }
         tx.add_rule(
-            fw_chain,
+            &self.chains.firewall,
             Rule::verdict(
                 vec![Match::Addr {
                     dir: Dir::Saddr,
@@ -811,10 +888,14 @@ fn render_service(tx: &mut Tx, ctx: &Ctx, sps: &ServicePortState) {
         );
     }
 
-    if let Some(timeout) = affinity {
-        for ep in &sets.all_reachable {
+    /// ClientIP affinity: one `affinity-…` set per endpoint.
+    fn affinity_sets(&self, tx: &mut Tx) {
+        let Some(timeout) = self.svc.session_affinity_timeout else {
+            return;
+        };
+        for ep in &self.sets.all_reachable {
             tx.tx.push(Op::AddSet(SetDecl {
-                name: endpoint_names(sps, ep).affinity_set,
+                name: endpoint_names(self.sps, ep).affinity_set,
                 key: KeyType::Addr,
                 map: false,
                 timeout_seconds: Some(timeout),
@@ -823,40 +904,46 @@ fn render_service(tx: &mut Tx, ctx: &Ctx, sps: &ServicePortState) {
         }
     }
 
-    if uses_cluster_chain {
-        write_service_to_endpoint_rules(tx, sps, cluster_chain, &sets.cluster);
-    }
-    if uses_local_chain {
-        write_service_to_endpoint_rules(tx, sps, local_chain, &sets.local);
+    /// `service-…` and `local-…`: the choice of an endpoint, for Cluster and Local traffic.
+    fn service_chains(&self, tx: &mut Tx) {
+        if self.uses_cluster_chain() {
+            write_service_to_endpoint_rules(tx, self.sps, &self.chains.cluster, &self.sets.cluster);
+        }
+        if self.uses_local_chain() {
+            write_service_to_endpoint_rules(tx, self.sps, &self.chains.local, &self.sets.local);
+        }
     }
 
-    for ep in &sets.all_reachable {
-        let names = endpoint_names(sps, ep);
-        // Hairpin: a pod reaching itself through the Service must be masqueraded.
-        tx.add_rule(
-            &names.chain,
-            Rule::verdict(
-                vec![Match::Addr {
-                    dir: Dir::Saddr,
-                    negate: false,
-                    spec: AddrSpec::Net(IpNet::from(ep.ip)),
-                }],
-                jump(MARK_FOR_MASQUERADE),
-            ),
-        );
-        if affinity.is_some() {
+    /// `endpoint-…`: one chain per endpoint, DNAT to it.
+    fn endpoint_chains(&self, tx: &mut Tx) {
+        for ep in &self.sets.all_reachable {
+            let names = endpoint_names(self.sps, ep);
+            // Hairpin: a pod reaching itself through the Service must be masqueraded.
             tx.add_rule(
                 &names.chain,
-                Rule::new(vec![], Statement::UpdateSaddr(names.affinity_set.clone())),
+                Rule::verdict(
+                    vec![Match::Addr {
+                        dir: Dir::Saddr,
+                        negate: false,
+                        spec: AddrSpec::Net(IpNet::from(ep.ip)),
+                    }],
+                    jump(MARK_FOR_MASQUERADE),
+                ),
+            );
+            if self.svc.session_affinity_timeout.is_some() {
+                tx.add_rule(
+                    &names.chain,
+                    Rule::new(vec![], Statement::UpdateSaddr(names.affinity_set.clone())),
+                );
+            }
+            tx.add_rule(
+                &names.chain,
+                Rule::new(
+                    vec![Match::L4proto(self.svc.protocol)],
+                    Statement::Dnat(SocketAddr::new(ep.ip, ep.port)),
+                ),
             );
         }
-        tx.add_rule(
-            &names.chain,
-            Rule::new(
-                vec![Match::L4proto(protocol)],
-                Statement::Dnat(SocketAddr::new(ep.ip, ep.port)),
-            ),
-        );
     }
 }
 
