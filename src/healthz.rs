@@ -284,7 +284,7 @@ pub fn format_rfc3339_nano(t: Option<SystemTime>) -> String {
         }
     };
     let (days, sod) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    let (y, m, d) = civil_from_days(days);
+    let (y, m, d) = crate::logging::civil_from_days(days);
     let mut s = format!(
         "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}",
         sod / 3600,
@@ -298,20 +298,6 @@ pub fn format_rfc3339_nano(t: Option<SystemTime>) -> String {
     }
     s.push('Z');
     s
-}
-
-/// Days since 1970-01-01 → proleptic Gregorian (year, month, day) (H. Hinnant's algorithm).
-fn civil_from_days(z: i64) -> (i64, u32, u32) {
-    let z = z + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    (y, m, d)
 }
 
 /// A manual clock for tests in this crate: starts at a fixed instant and moves only when told.

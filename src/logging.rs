@@ -276,8 +276,9 @@ pub fn klog_header(severity: char, now: SystemTime, pid: u32, file: &str, line: 
     )
 }
 
-/// (year, month, day) of a day count since 1970-01-01 (Howard Hinnant's algorithm).
-fn civil_from_days(days: i64) -> (i64, u32, u32) {
+/// (year, month, day) of a day count since 1970-01-01 (Howard Hinnant's algorithm); also
+/// `/healthz`'s RFC 3339 times.
+pub(crate) fn civil_from_days(days: i64) -> (i64, u32, u32) {
     let z = days + 719_468;
     let era = z.div_euclid(146_097);
     let doe = z.rem_euclid(146_097);

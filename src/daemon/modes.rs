@@ -42,7 +42,7 @@ fn kernel_has_ipv6() -> bool {
 pub fn check_kernel(cfg: &ProxyConfig) -> anyhow::Result<()> {
     if cfg.mode == ProxyMode::Ipvs {
         let scheduler = IpvsRenderOptions::from_config(cfg, IpFamily::V4, &NodeInfo::default()).scheduler;
-        crate::ipvs::proxier::check_kernel(&scheduler)?;
+        crate::ipvs::kernel::check_kernel(&scheduler)?;
     }
     Ok(())
 }
@@ -145,7 +145,7 @@ fn remove_ipvs_mode(all: bool) -> Vec<String> {
     let mut host = HostExec;
     let mut ipts: Vec<Exec> = families(ProxyMode::Ipvs).into_iter().map(Exec::new).collect();
     let link = host.link_exists(crate::ipvs::names::DUMMY_DEVICE).unwrap_or(false);
-    let rules = ipts.iter_mut().any(|i| crate::ipvs::proxier::iptables_state_present(i));
+    let rules = ipts.iter_mut().any(|i| crate::ipvs::cleanup::iptables_state_present(i));
     if !(all || link || rules) {
         return Vec::new();
     }
@@ -155,7 +155,7 @@ fn remove_ipvs_mode(all: bool) -> Vec<String> {
         None
     };
     let mut refs: Vec<&mut dyn Iptables> = ipts.iter_mut().map(|i| i as &mut dyn Iptables).collect();
-    crate::ipvs::proxier::cleanup(ipvs.as_mut().map(|h| h as &mut dyn Ipvs), &mut refs, &mut host, true)
+    crate::ipvs::cleanup::cleanup(ipvs.as_mut().map(|h| h as &mut dyn Ipvs), &mut refs, &mut host, true)
 }
 
 /// `--cleanup`: removes everything we own in both families (iptables chains and jumps, the

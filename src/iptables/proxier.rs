@@ -125,17 +125,7 @@ impl<I: Iptables> IptablesProxier<I> {
         let full = self.applied.as_ref().is_none_or(|applied| applied.ctx != ctx);
         self.last_attempt_full = full;
         let result = self.sync_inner(state, ctx, full);
-        match result {
-            Ok(mut report) => {
-                report.elapsed = start.elapsed();
-                Ok(report)
-            }
-            Err(e) => {
-                // The change trackers' view is gone with the failed restore: start over.
-                self.applied = None;
-                Err(e)
-            }
-        }
+        proxy::finish_sync(start, result, || self.applied = None)
     }
 
     fn sync_inner(&mut self, state: &ProxyState, ctx: RenderContext, full: bool) -> Result<SyncReport, SyncError> {

@@ -149,7 +149,7 @@ pub fn iptables_cleanup_input(table: &str, saved: &str) -> String {
         .copied()
         .filter(|c| existing.iter().any(|e| e == c))
         .collect();
-    let jumps: Vec<String> = super::render::jump_rules()
+    let jumps: Vec<String> = super::iptables::jump_rules()
         .iter()
         .filter(|j| j.table == table)
         .map(saved_form)

@@ -5,9 +5,10 @@
 use std::net::SocketAddr;
 use std::time::Instant;
 
+use super::cleanup::cleanup;
 use super::host::IpvsHost;
 use super::netlink::{Ipvs, RealServer, VirtualServer};
-use super::proxier::{IpvsProxier, cleanup};
+use super::proxier::IpvsProxier;
 use super::render::IpvsRenderOptions;
 use crate::config::ProxyMode;
 // IPVS mode programs iptables rules too (masquerading, NodePorts, source ranges).

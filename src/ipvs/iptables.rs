@@ -2,7 +2,7 @@
 //! `iptables-restore --noflush --counters` input (nat first, then filter), driven by which
 //! ipsets are non-empty, and the jump rules ensured in the built-in chains. Pure: no I/O.
 //! What iptables mode writes alike (the KUBE-FORWARD and KUBE-POSTROUTING rules, what
-//! ClusterIP traffic is masqueraded) comes from [`crate::iptables::render`].
+//! ClusterIP traffic is masqueraded) comes from [`crate::iptables::render`](mod@crate::iptables::render).
 
 use std::fmt::Write as _;
 use std::net::IpAddr;

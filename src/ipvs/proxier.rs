@@ -60,8 +60,6 @@ use crate::model::{IpFamily, Protocol, ProxyState};
 use crate::proxy::{SyncReport, restore_operations};
 
 // The daemon still reaches cleanup and the kernel checks here.
-pub use super::cleanup::{cleanup, iptables_state_present};
-pub use super::kernel::check_kernel;
 
 /// The first re-check of a draining real server comes this long after it started draining.
 pub const DRAIN_CHECK_FIRST: Duration = Duration::from_secs(1);
@@ -250,7 +248,7 @@ impl<V: Ipvs, I: Iptables, H: IpvsHost> IpvsProxier<V, I, H> {
     /// Whether our entry jump and the dummy link are still there (someone may flush nat or
     /// delete the link); if not, the daemon forces a full sync.
     pub fn intact(&mut self) -> bool {
-        let entry = super::render::jump_rules()
+        let entry = super::iptables::jump_rules()
             .into_iter()
             .filter(|j| j.table == "nat" && j.chain == "PREROUTING")
             .all(|j| self.ipt.rule_exists(j.table, j.chain, &j.args).unwrap_or(false));
@@ -291,16 +289,7 @@ impl<V: Ipvs, I: Iptables, H: IpvsHost> IpvsProxier<V, I, H> {
         };
         let rs = render(state, &opts);
         let result = self.sync_inner(&rs);
-        match result {
-            Ok(mut report) => {
-                report.elapsed = start.elapsed();
-                Ok(report)
-            }
-            Err(e) => {
-                self.applied = None;
-                Err(e)
-            }
-        }
+        crate::proxy::finish_sync(start, result, || self.applied = None)
     }
 
     fn sync_inner(&mut self, rs: &IpvsRuleset) -> Result<SyncReport, SyncError> {
@@ -738,7 +727,7 @@ mod tests {
         assert_eq!(p.ipt.restores.len(), 1);
         assert!(p.ipt.restores[0].contains("-A KUBE-SERVICES"));
         // The jumps end up in the rendered order in each built-in chain.
-        for j in super::super::render::jump_rules() {
+        for j in super::super::iptables::jump_rules() {
             assert!(
                 p.ipt
                     .rules
@@ -766,7 +755,7 @@ mod tests {
     }
 
     fn rs_jumps_of(chain: &str) -> Vec<&'static str> {
-        super::super::render::jump_rules()
+        super::super::iptables::jump_rules()
             .into_iter()
             .filter(|j| j.chain == chain)
             .filter_map(|j| {

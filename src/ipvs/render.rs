@@ -32,9 +32,7 @@ use std::time::Duration;
 
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 
-// The jump rules keep their old path here.
-pub use super::iptables::jump_rules;
-use super::iptables::restore_input;
+use super::iptables::{jump_rules, restore_input};
 use super::names::*;
 use crate::config::ProxyConfig;
 use crate::iptables::JumpRule;

@@ -414,17 +414,7 @@ impl NftProxier {
         } else {
             self.rebuild(state, renderer)
         };
-        match result {
-            Ok(mut report) => {
-                report.elapsed = start.elapsed();
-                Ok(report)
-            }
-            Err(e) => {
-                // What the kernel holds is no longer known: rebuild on the next sync.
-                self.applied = None;
-                Err(e)
-            }
-        }
+        crate::proxy::finish_sync(start, result, || self.applied = None)
     }
 
     /// Deletes and rebuilds the table in bounded transactions, priority services first.

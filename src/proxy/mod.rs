@@ -177,6 +177,22 @@ pub fn rules_written(input: &str) -> Vec<TableRules> {
     out
 }
 
+/// Finishes a sync that started at `start`: a report gets its elapsed time; a failure runs
+/// `forget`, which drops the proxier's record of what it applied (what the kernel holds is no
+/// longer known, so the next sync starts over).
+pub fn finish_sync<E>(start: Instant, result: Result<SyncReport, E>, forget: impl FnOnce()) -> Result<SyncReport, E> {
+    match result {
+        Ok(mut report) => {
+            report.elapsed = start.elapsed();
+            Ok(report)
+        }
+        Err(e) => {
+            forget();
+            Err(e)
+        }
+    }
+}
+
 /// The operations in `iptables-restore` (or `ipset restore`) input: its rule and chain lines
 /// (table headers and `COMMIT` carry no change of their own).
 pub fn restore_operations(input: &str) -> usize {

@@ -120,7 +120,7 @@ impl fmt::Display for Verdict {
     }
 }
 
-/// The result of [`trace`].
+/// The result of a mode's `trace` (e.g. [`crate::iptables::trace::trace`]).
 #[derive(Clone, Debug, Serialize)]
 pub struct Trace {
     /// The verdict shared by all paths; if they disagree, DNAT if any path is DNAT, else the
