@@ -70,12 +70,7 @@ pub struct DaemonFlags {
     #[arg(long, value_name = "DIR")]
     pub manifests: Option<PathBuf>,
     /// Write the effective configuration (defaults, flags or --config) as a v1alpha1 YAML file and exit.
-    #[arg(
-        long,
-        value_name = "FILE",
-        help_heading = "Configuration",
-        allow_hyphen_values = true
-    )]
+    #[arg(long, value_name = "FILE", help_heading = "Configuration", allow_hyphen_values = true)]
     pub write_config_to: Option<PathBuf>,
     /// Remove every rule kube-proxy created (all modes) and exit.
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = go_bool, value_name = "BOOL")]

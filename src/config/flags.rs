@@ -15,129 +15,51 @@ use super::{ConfigError, HEALTHZ_PORT, METRICS_PORT, invalid};
 pub struct Flags {
     /// Path to a KubeProxyConfiguration (kubeproxy.config.k8s.io/v1alpha1) file. It replaces the
     /// other flags, except the logging flags, --hostname-override and --master.
-    #[arg(
-        long,
-        global = true,
-        value_name = "FILE",
-        help_heading = "Configuration",
-        allow_hyphen_values = true
-    )]
+    #[arg(long, global = true, value_name = "FILE", help_heading = "Configuration", allow_hyphen_values = true)]
     pub config: Option<String>,
     /// Feature gates as Name=true|false pairs, comma-separated (repeatable). Ignored with --config.
-    #[arg(
-        long,
-        global = true,
-        value_delimiter = ',',
-        value_name = "NAME=BOOL,...",
-        help_heading = "Configuration"
-    )]
+    #[arg(long, global = true, value_delimiter = ',', value_name = "NAME=BOOL,...", help_heading = "Configuration")]
     pub feature_gates: Vec<String>,
 
     /// Path to a kubeconfig file with the API server and credentials (default: in-cluster).
-    #[arg(
-        long,
-        global = true,
-        value_name = "FILE",
-        help_heading = "API server",
-        allow_hyphen_values = true
-    )]
+    #[arg(long, global = true, value_name = "FILE", help_heading = "API server", allow_hyphen_values = true)]
     pub kubeconfig: Option<String>,
     /// The address of the Kubernetes API server (overrides the kubeconfig's).
-    #[arg(
-        long,
-        global = true,
-        value_name = "URL",
-        help_heading = "API server",
-        allow_hyphen_values = true
-    )]
+    #[arg(long, global = true, value_name = "URL", help_heading = "API server", allow_hyphen_values = true)]
     pub master: Option<String>,
     /// Content type of requests sent to the API server [default: application/vnd.kubernetes.protobuf].
-    #[arg(
-        long,
-        global = true,
-        value_name = "TYPE",
-        help_heading = "API server",
-        allow_hyphen_values = true
-    )]
+    #[arg(long, global = true, value_name = "TYPE", help_heading = "API server", allow_hyphen_values = true)]
     pub kube_api_content_type: Option<String>,
     /// Queries per second to the API server [default: 5].
-    #[arg(
-        long,
-        global = true,
-        value_name = "QPS",
-        help_heading = "API server",
-        allow_negative_numbers = true
-    )]
+    #[arg(long, global = true, value_name = "QPS", help_heading = "API server", allow_negative_numbers = true)]
     pub kube_api_qps: Option<f32>,
     /// Burst of queries to the API server [default: 10].
-    #[arg(
-        long,
-        global = true,
-        value_name = "N",
-        help_heading = "API server",
-        allow_negative_numbers = true
-    )]
+    #[arg(long, global = true, value_name = "N", help_heading = "API server", allow_negative_numbers = true)]
     pub kube_api_burst: Option<i64>,
     /// Period of the informers' full resync, e.g. 15m0s [default: 15m0s].
-    #[arg(
-        long,
-        global = true,
-        value_name = "DURATION",
-        help_heading = "API server",
-        allow_hyphen_values = true
-    )]
+    #[arg(long, global = true, value_name = "DURATION", help_heading = "API server", allow_hyphen_values = true)]
     pub config_sync_period: Option<String>,
 
     /// The name of this node [default: the hostname, lower-cased].
-    #[arg(
-        long,
-        global = true,
-        value_name = "NAME",
-        help_heading = "Node",
-        allow_hyphen_values = true
-    )]
+    #[arg(long, global = true, value_name = "NAME", help_heading = "Node", allow_hyphen_values = true)]
     pub hostname_override: Option<String>,
     /// Overrides the node's primary IP (despite the name, nothing binds to it) [default: 0.0.0.0].
-    #[arg(
-        long,
-        global = true,
-        value_name = "IP",
-        help_heading = "Node",
-        allow_hyphen_values = true
-    )]
+    #[arg(long, global = true, value_name = "IP", help_heading = "Node", allow_hyphen_values = true)]
     pub bind_address: Option<String>,
     /// The node's IP address(es), overriding the Node object's addresses (repeatable,
     /// comma-separated; new in kube-proxy-rs).
     #[arg(long = "node-ip", global = true, value_name = "IP", help_heading = "Node")]
     pub node_ips: Vec<String>,
     /// The process's OOM score adjustment, -1000 to 1000 [default: -999].
-    #[arg(
-        long,
-        global = true,
-        value_name = "N",
-        help_heading = "Node",
-        allow_negative_numbers = true
-    )]
+    #[arg(long, global = true, value_name = "N", help_heading = "Node", allow_negative_numbers = true)]
     pub oom_score_adj: Option<i64>,
 
     /// IP:port of the health check server; empty disables it [default: 0.0.0.0:10256].
-    #[arg(
-        long,
-        global = true,
-        value_name = "IP[:PORT]",
-        help_heading = "Servers",
-        allow_hyphen_values = true
-    )]
+    #[arg(long, global = true, value_name = "IP[:PORT]", help_heading = "Servers", allow_hyphen_values = true)]
     pub healthz_bind_address: Option<String>,
     /// IP:port of the metrics server (0.0.0.0:10249 or [::]:10249 for all interfaces); empty
     /// disables it [default: 127.0.0.1:10249].
-    #[arg(
-        long,
-        global = true,
-        value_name = "IP[:PORT]",
-        help_heading = "Servers",
-        allow_hyphen_values = true
-    )]
+    #[arg(long, global = true, value_name = "IP[:PORT]", help_heading = "Servers", allow_hyphen_values = true)]
     pub metrics_bind_address: Option<String>,
     /// Exit if the health check or metrics server cannot bind its port.
     #[arg(long, global = true, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = go_bool, value_name = "BOOL", help_heading = "Servers")]
@@ -146,13 +68,7 @@ pub struct Flags {
     #[arg(long, global = true, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = go_bool, value_name = "BOOL", help_heading = "Servers")]
     pub profiling: Option<bool>,
     /// Show metrics hidden in the given previous minor version, e.g. 1.33 (not implemented).
-    #[arg(
-        long,
-        global = true,
-        value_name = "X.Y",
-        help_heading = "Servers",
-        allow_hyphen_values = true
-    )]
+    #[arg(long, global = true, value_name = "X.Y", help_heading = "Servers", allow_hyphen_values = true)]
     pub show_hidden_metrics_for_version: Option<String>,
     /// Deprecated: the port of --healthz-bind-address when it has none; 0 disables the server.
     #[arg(long, global = true, hide = true, allow_negative_numbers = true)]
@@ -165,125 +81,53 @@ pub struct Flags {
     pub proxy_port_range: Option<String>,
 
     /// iptables (default), ipvs or nftables.
-    #[arg(
-        long,
-        global = true,
-        value_name = "MODE",
-        help_heading = "Proxy mode",
-        allow_hyphen_values = true
-    )]
+    #[arg(long, global = true, value_name = "MODE", help_heading = "Proxy mode", allow_hyphen_values = true)]
     pub proxy_mode: Option<String>,
     /// SNAT all traffic sent via Service cluster IPs.
     #[arg(long, global = true, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = go_bool, value_name = "BOOL", help_heading = "Proxy mode")]
     pub masquerade_all: Option<bool>,
     /// CIDRs of the node addresses that accept NodePort connections, or "primary" for the node's
     /// primary IPs; repeatable, comma-separated [default: all local addresses; nftables: primary].
-    #[arg(
-        long,
-        global = true,
-        value_delimiter = ',',
-        value_name = "CIDR,...",
-        help_heading = "Proxy mode"
-    )]
+    #[arg(long, global = true, value_delimiter = ',', value_name = "CIDR,...", help_heading = "Proxy mode")]
     pub nodeport_addresses: Option<Vec<String>>,
     /// The fwmark bit (0-31) that marks packets for SNAT in iptables and ipvs modes [default: 14].
-    #[arg(
-        long,
-        global = true,
-        value_name = "BIT",
-        help_heading = "Proxy mode",
-        allow_negative_numbers = true
-    )]
+    #[arg(long, global = true, value_name = "BIT", help_heading = "Proxy mode", allow_negative_numbers = true)]
     pub iptables_masquerade_bit: Option<i64>,
     /// Accept NodePort connections on 127.0.0.1 (iptables mode, IPv4) [default: true].
     #[arg(long, global = true, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = go_bool, value_name = "BOOL", help_heading = "Proxy mode")]
     pub iptables_localhost_nodeports: Option<bool>,
     /// How often rules are checked and failed syncs retried, e.g. 30s, 2m0s; for every mode but
     /// ipvs [default: 30s].
-    #[arg(
-        long,
-        global = true,
-        value_name = "DURATION",
-        help_heading = "Proxy mode",
-        allow_hyphen_values = true
-    )]
+    #[arg(long, global = true, value_name = "DURATION", help_heading = "Proxy mode", allow_hyphen_values = true)]
     pub iptables_sync_period: Option<String>,
     /// The minimum time between two syncs, e.g. 1s, 500ms; 0 syncs on every change; for every
     /// mode but ipvs [default: 1s].
-    #[arg(
-        long,
-        global = true,
-        value_name = "DURATION",
-        help_heading = "Proxy mode",
-        allow_hyphen_values = true
-    )]
+    #[arg(long, global = true, value_name = "DURATION", help_heading = "Proxy mode", allow_hyphen_values = true)]
     pub iptables_min_sync_period: Option<String>,
 
     /// The sync period in ipvs mode [default: 30s].
-    #[arg(
-        long,
-        global = true,
-        value_name = "DURATION",
-        help_heading = "IPVS mode",
-        allow_hyphen_values = true
-    )]
+    #[arg(long, global = true, value_name = "DURATION", help_heading = "IPVS mode", allow_hyphen_values = true)]
     pub ipvs_sync_period: Option<String>,
     /// The minimum time between two syncs in ipvs mode [default: 1s].
-    #[arg(
-        long,
-        global = true,
-        value_name = "DURATION",
-        help_heading = "IPVS mode",
-        allow_hyphen_values = true
-    )]
+    #[arg(long, global = true, value_name = "DURATION", help_heading = "IPVS mode", allow_hyphen_values = true)]
     pub ipvs_min_sync_period: Option<String>,
     /// The IPVS scheduler: rr, wrr, lc, wlc, lblc, lblcr, sh, dh, sed, nq or mh [default: rr].
-    #[arg(
-        long,
-        global = true,
-        value_name = "NAME",
-        help_heading = "IPVS mode",
-        allow_hyphen_values = true
-    )]
+    #[arg(long, global = true, value_name = "NAME", help_heading = "IPVS mode", allow_hyphen_values = true)]
     pub ipvs_scheduler: Option<String>,
     /// CIDRs the IPVS proxier must not touch when cleaning up; comma-separated.
-    #[arg(
-        long,
-        global = true,
-        value_delimiter = ',',
-        value_name = "CIDR,...",
-        help_heading = "IPVS mode"
-    )]
+    #[arg(long, global = true, value_delimiter = ',', value_name = "CIDR,...", help_heading = "IPVS mode")]
     pub ipvs_exclude_cidrs: Option<Vec<String>>,
     /// Set arp_ignore=1 and arp_announce=2.
     #[arg(long, global = true, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = go_bool, value_name = "BOOL", help_heading = "IPVS mode")]
     pub ipvs_strict_arp: Option<bool>,
     /// Idle timeout of IPVS TCP connections; 0 leaves it as is.
-    #[arg(
-        long,
-        global = true,
-        value_name = "DURATION",
-        help_heading = "IPVS mode",
-        allow_hyphen_values = true
-    )]
+    #[arg(long, global = true, value_name = "DURATION", help_heading = "IPVS mode", allow_hyphen_values = true)]
     pub ipvs_tcp_timeout: Option<String>,
     /// Timeout of IPVS TCP connections after a FIN; 0 leaves it as is.
-    #[arg(
-        long,
-        global = true,
-        value_name = "DURATION",
-        help_heading = "IPVS mode",
-        allow_hyphen_values = true
-    )]
+    #[arg(long, global = true, value_name = "DURATION", help_heading = "IPVS mode", allow_hyphen_values = true)]
     pub ipvs_tcpfin_timeout: Option<String>,
     /// Timeout of IPVS UDP packets; 0 leaves it as is.
-    #[arg(
-        long,
-        global = true,
-        value_name = "DURATION",
-        help_heading = "IPVS mode",
-        allow_hyphen_values = true
-    )]
+    #[arg(long, global = true, value_name = "DURATION", help_heading = "IPVS mode", allow_hyphen_values = true)]
     pub ipvs_udp_timeout: Option<String>,
 
     /// How traffic from local pods is recognised: ClusterCIDR (default), NodeCIDR,
@@ -325,61 +169,25 @@ pub struct Flags {
     pub pod_interface_name_prefix: Option<String>,
 
     /// Conntrack entries per CPU core; 0 leaves nf_conntrack_max (and --conntrack-min) alone [default: 32768].
-    #[arg(
-        long,
-        global = true,
-        value_name = "N",
-        help_heading = "conntrack",
-        allow_negative_numbers = true
-    )]
+    #[arg(long, global = true, value_name = "N", help_heading = "conntrack", allow_negative_numbers = true)]
     pub conntrack_max_per_core: Option<i64>,
     /// The least nf_conntrack_max to ask for [default: 131072].
-    #[arg(
-        long,
-        global = true,
-        value_name = "N",
-        help_heading = "conntrack",
-        allow_negative_numbers = true
-    )]
+    #[arg(long, global = true, value_name = "N", help_heading = "conntrack", allow_negative_numbers = true)]
     pub conntrack_min: Option<i64>,
     /// Idle timeout of established TCP connections; 0 leaves it as is [default: 24h0m0s].
-    #[arg(
-        long,
-        global = true,
-        value_name = "DURATION",
-        help_heading = "conntrack",
-        allow_hyphen_values = true
-    )]
+    #[arg(long, global = true, value_name = "DURATION", help_heading = "conntrack", allow_hyphen_values = true)]
     pub conntrack_tcp_timeout_established: Option<String>,
     /// Timeout of TCP connections in CLOSE_WAIT; 0 leaves it as is [default: 1h0m0s].
-    #[arg(
-        long,
-        global = true,
-        value_name = "DURATION",
-        help_heading = "conntrack",
-        allow_hyphen_values = true
-    )]
+    #[arg(long, global = true, value_name = "DURATION", help_heading = "conntrack", allow_hyphen_values = true)]
     pub conntrack_tcp_timeout_close_wait: Option<String>,
     /// Set nf_conntrack_tcp_be_liberal=1 (out-of-window TCP packets are not INVALID).
     #[arg(long, global = true, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = go_bool, value_name = "BOOL", help_heading = "conntrack")]
     pub conntrack_tcp_be_liberal: Option<bool>,
     /// Idle timeout of UNREPLIED UDP entries; 0 leaves it as is [default: 0s].
-    #[arg(
-        long,
-        global = true,
-        value_name = "DURATION",
-        help_heading = "conntrack",
-        allow_hyphen_values = true
-    )]
+    #[arg(long, global = true, value_name = "DURATION", help_heading = "conntrack", allow_hyphen_values = true)]
     pub conntrack_udp_timeout: Option<String>,
     /// Idle timeout of ASSURED UDP entries; 0 leaves it as is [default: 0s].
-    #[arg(
-        long,
-        global = true,
-        value_name = "DURATION",
-        help_heading = "conntrack",
-        allow_hyphen_values = true
-    )]
+    #[arg(long, global = true, value_name = "DURATION", help_heading = "conntrack", allow_hyphen_values = true)]
     pub conntrack_udp_timeout_stream: Option<String>,
 
     #[command(flatten)]
@@ -393,55 +201,25 @@ pub struct LoggingFlags {
     #[arg(short = 'v', long = "v", global = true, value_name = "N", help_heading = "Logging")]
     pub verbosity: Option<u32>,
     /// Per-file verbosity, pattern=N pairs, comma-separated (pattern: file name without .rs, globs allowed).
-    #[arg(
-        long,
-        global = true,
-        value_delimiter = ',',
-        value_name = "PATTERN=N,...",
-        help_heading = "Logging"
-    )]
+    #[arg(long, global = true, value_delimiter = ',', value_name = "PATTERN=N,...", help_heading = "Logging")]
     pub vmodule: Vec<String>,
     /// Log format: text (klog lines, default) or json.
-    #[arg(
-        long,
-        global = true,
-        value_name = "FORMAT",
-        help_heading = "Logging",
-        allow_hyphen_values = true
-    )]
+    #[arg(long, global = true, value_name = "FORMAT", help_heading = "Logging", allow_hyphen_values = true)]
     pub logging_format: Option<String>,
     /// Maximum time between log flushes (lines are written unbuffered) [default: 5s].
-    #[arg(
-        long,
-        global = true,
-        value_name = "DURATION",
-        help_heading = "Logging",
-        allow_hyphen_values = true
-    )]
+    #[arg(long, global = true, value_name = "DURATION", help_heading = "Logging", allow_hyphen_values = true)]
     pub log_flush_frequency: Option<String>,
     /// In JSON format, errors to stderr and the rest to stdout (needs LoggingAlphaOptions).
     #[arg(long, global = true, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = go_bool, value_name = "BOOL", help_heading = "Logging")]
     pub log_json_split_stream: Option<bool>,
     /// In JSON format with split streams, the info stream's buffer (not implemented; needs LoggingAlphaOptions).
-    #[arg(
-        long,
-        global = true,
-        value_name = "SIZE",
-        help_heading = "Logging",
-        allow_hyphen_values = true
-    )]
+    #[arg(long, global = true, value_name = "SIZE", help_heading = "Logging", allow_hyphen_values = true)]
     pub log_json_info_buffer_size: Option<String>,
     /// In text format, errors to stderr and the rest to stdout (needs LoggingAlphaOptions).
     #[arg(long, global = true, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = go_bool, value_name = "BOOL", help_heading = "Logging")]
     pub log_text_split_stream: Option<bool>,
     /// In text format with split streams, the info stream's buffer (not implemented; needs LoggingAlphaOptions).
-    #[arg(
-        long,
-        global = true,
-        value_name = "SIZE",
-        help_heading = "Logging",
-        allow_hyphen_values = true
-    )]
+    #[arg(long, global = true, value_name = "SIZE", help_heading = "Logging", allow_hyphen_values = true)]
     pub log_text_info_buffer_size: Option<String>,
 }
 
