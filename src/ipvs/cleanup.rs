@@ -10,6 +10,7 @@ use super::host::{HostError, IpvsHost};
 use super::names::{DUMMY_DEVICE, IPSETS, set_name};
 use super::netlink::{Ipvs, RealServer, VirtualServer};
 use super::proxier::gone_ok;
+// IPVS mode's iptables rules go through the iptables edge, as they came.
 use crate::iptables::exec::Iptables;
 use crate::model::IpFamily;
 

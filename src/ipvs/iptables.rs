@@ -9,8 +9,9 @@ use std::net::IpAddr;
 
 use super::names::*;
 use super::render::{Ipset, IpvsRenderOptions};
+// IPVS mode programs iptables rules too: their jump rules, mark format and shared rules are
+// iptables mode's.
 use crate::iptables::JumpRule;
-// IPVS mode programs iptables rules too: their mark format and shared rules are iptables mode's.
 use crate::iptables::render::{
     cluster_ip_masquerade, forward_rules, inserted_at_the_top, masquerade_mark, postrouting_rules,
 };

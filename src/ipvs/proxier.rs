@@ -55,6 +55,7 @@ use super::kernel::{conn_reuse_mode_fix_needed, kernel_release};
 use super::names::DUMMY_DEVICE;
 use super::netlink::{Ipvs, IpvsError, RealServer, ServiceFlags, ServiceKey, Timeouts, VirtualServer};
 use super::render::{IpvsRenderOptions, IpvsRuleset, IpvsService, render};
+// IPVS mode programs iptables rules beside its virtual servers, through the iptables edge.
 use crate::iptables::exec::{ExecError, Iptables};
 use crate::model::{IpFamily, Protocol, ProxyState};
 use crate::proxy::{SyncReport, restore_operations};

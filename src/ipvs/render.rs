@@ -35,6 +35,7 @@ use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use super::iptables::{jump_rules, restore_input};
 use super::names::*;
 use crate::config::ProxyConfig;
+// The iptables jump rules IPVS mode ensures are iptables mode's kind of rule.
 use crate::iptables::JumpRule;
 use crate::model::{
     Endpoint, IpFamily, NodeInfo, NodeTopology, Protocol, ProxyState, ServicePort, ServicePortName, ServicePortState,
