@@ -69,6 +69,11 @@ pub struct DaemonFlags {
     /// change, instead of the Kubernetes API (new in kube-proxy-rs).
     #[arg(long, value_name = "DIR")]
     pub manifests: Option<PathBuf>,
+    /// Let the metrics server's read-only /debug endpoints (/debug/services, /debug/rules) answer
+    /// clients beyond loopback; by default only 127.0.0.1 and ::1 get an answer, whatever
+    /// --metrics-bind-address is (new in kube-proxy-rs).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = go_bool, value_name = "BOOL")]
+    pub debug_allow_remote: Option<bool>,
     /// Write the effective configuration (defaults, flags or --config) as a v1alpha1 YAML file and exit.
     #[arg(long, value_name = "FILE", help_heading = "Configuration", allow_hyphen_values = true)]
     pub write_config_to: Option<PathBuf>,

@@ -55,7 +55,10 @@ pub async fn serve(
     router: Router,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> io::Result<()> {
-    axum::serve(listener, router).with_graceful_shutdown(shutdown).await
+    // The peer's address is handed to the handlers (the `/debug` endpoints check it).
+    axum::serve(listener, router.into_make_service_with_connect_info::<SocketAddr>())
+        .with_graceful_shutdown(shutdown)
+        .await
 }
 
 // === healthz server ===
@@ -223,7 +226,7 @@ pub fn ping_healthz_rsp(query: &str) -> Response {
 }
 
 /// Go's `url.ParseQuery`, leniently: `k=v` pairs split on `&`, `+` and `%XX` decoded.
-fn query_pairs(query: &str) -> Vec<(String, String)> {
+pub(crate) fn query_pairs(query: &str) -> Vec<(String, String)> {
     query
         .split('&')
         .filter(|kv| !kv.is_empty())

@@ -22,6 +22,8 @@
 //! - [`conntrack`]: stale UDP conntrack cleanup over ctnetlink, and the conntrack sysctls.
 //! - [`healthz`], [`http`], [`metrics`], [`logging`]: health state, the HTTP servers,
 //!   upstream's metrics, klog-style logs.
+//! - [`explain`]: `kube-proxy explain`: the desired state (also served as `/debug/services`),
+//!   the kernel's rules, conntrack and routes of a Service, and what is wrong with it.
 //! - [`exec`]: runs the node's tools (`iptables-restore`, `ip`, `ipset`, `nft`) with optional
 //!   stdin, for every backend.
 //! - [`netlink`]: netlink message framing (building, splitting, attributes, error replies)
@@ -37,6 +39,7 @@ pub mod config;
 pub mod conntrack;
 pub mod daemon;
 pub mod exec;
+pub mod explain;
 pub mod healthz;
 pub mod http;
 pub mod iptables;

@@ -131,7 +131,11 @@ fn daemon(cfg: ProxyConfig, flags: DaemonFlags) -> anyhow::Result<ExitCode> {
         None => kube_proxy::daemon::SourceConfig::Api(cfg.client_connection.clone()),
     };
     apply_oom_score_adj(cfg.oom_score_adj);
-    kube_proxy::daemon::run(kube_proxy::daemon::DaemonOptions { config: cfg, source })?;
+    kube_proxy::daemon::run(kube_proxy::daemon::DaemonOptions {
+        config: cfg,
+        source,
+        debug_allow_remote: flags.debug_allow_remote == Some(true),
+    })?;
     Ok(ExitCode::SUCCESS)
 }
 

@@ -37,6 +37,7 @@ fn endpoint() -> impl Strategy<Value = Endpoint> {
                 Hints::from_iter([format!("zone-{zone}")])
             },
             node_hints: Hints::default(),
+            place: Default::default(),
         })
 }
 

@@ -6,10 +6,12 @@
 //!   host, telemetry) on tokio's clock;
 //! - [`telemetry`]: healthz, the mode's metrics and the health-check node ports;
 //! - [`modes`]: per-mode set-up on the real node, mode switches and `--cleanup`;
-//! - [`host`]: the node's sysctls and conntrack table, as the loop touches them.
+//! - [`host`]: the node's sysctls and conntrack table, as the loop touches them;
+//! - [`debug`]: the read-only `/debug/services` and `/debug/rules` of the metrics server.
 //!
 //! This module wires them for the real node: [`run`].
 
+pub mod debug;
 pub mod host;
 pub mod modes;
 pub mod runner;
@@ -55,6 +57,8 @@ impl SourceConfig {
 pub struct DaemonOptions {
     pub config: ProxyConfig,
     pub source: SourceConfig,
+    /// `--debug-allow-remote`: the `/debug` endpoints answer beyond loopback.
+    pub debug_allow_remote: bool,
 }
 
 impl DaemonOptions {
@@ -66,6 +70,7 @@ impl DaemonOptions {
             metrics: c.metrics_bind_address,
             hard_fail: c.bind_address_hard_fail,
             configz: serde_json::to_value(&c.effective).unwrap_or_default(),
+            debug_allow_remote: self.debug_allow_remote,
         }
     }
 }
@@ -79,6 +84,7 @@ pub struct ServerConfig {
     pub hard_fail: bool,
     /// What `/configz` shows under `kubeproxy.config.k8s.io`.
     pub configz: serde_json::Value,
+    pub debug_allow_remote: bool,
 }
 
 /// Runs until the source fails; never returns on success.
@@ -101,6 +107,7 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
         info!(manifests = %dir.display(), "Reading Services and EndpointSlices from manifests");
     }
     let mut running = opts.source.source().start(&node_name)?;
+    telemetry.debug.set_source(running.status.clone());
     // Rules of the mode not in use are removed, as upstream does at start.
     modes::remove_other_modes(cfg.mode);
     let proxiers = modes::proxiers(&cfg)?;
@@ -136,6 +143,7 @@ fn start_servers(
     // Upstream: unhealthy when a queued update waits longer than 2 × syncPeriod.
     let health = ProxyHealth::new(cfg.sync_period * 2);
     let metrics = Arc::new(Metrics::new(cfg.mode.as_str()));
+    let debug = debug::DebugView::default();
     let bind = |addr: SocketAddr, what: &str| -> anyhow::Result<Option<tokio::net::TcpListener>> {
         match runtime.block_on(tokio::net::TcpListener::bind(addr)) {
             Ok(l) => {
@@ -163,18 +171,24 @@ fn start_servers(
             health.clone(),
             cfg.mode.as_str(),
             servers.configz.clone(),
-        );
+        )
+        .merge(debug::router(debug::DebugServer {
+            view: debug.clone(),
+            config: Arc::new(cfg.clone()),
+            allow_remote: servers.debug_allow_remote,
+        }));
         runtime.spawn(http::serve(listener, router, std::future::pending()));
     }
     // Health-check servers listen on the wildcard address. (Upstream restricts them to the
     // node's addresses within specific nodePortAddresses CIDRs; not done yet.)
     let service_health = ServiceHealthServers::new(node_name, Vec::new(), health.clone());
-    let telemetry = Telemetry::new(
+    let mut telemetry = Telemetry::new(
         cfg.mode,
         health,
         metrics,
         service_health,
         Some(runtime.handle().clone()),
     );
+    telemetry.debug = debug;
     Ok((Arc::new(telemetry), HttpServers { _runtime: runtime }))
 }

@@ -160,7 +160,7 @@ impl SyncLoop {
                 }
                 Err(e) => {
                     error!(ip_family = %family, error = %e, "Sync failed; keeping the previous rules and retrying with a full sync");
-                    self.telemetry.failed(family, e.full);
+                    self.telemetry.failed(family, e.full, &e.to_string());
                     self.runner.synced(family, now(), Err(()), cleanup_at);
                 }
             }
@@ -403,9 +403,20 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_failed_sync_keeps_the_rules_and_is_retried_in_full_after_the_sync_period() {
         let h = Harness::listed(ProxyMode::Iptables, |r| r.fail_next = 1).await;
+        let cfg = config(ProxyMode::Iptables);
+        let last = |h: &Harness| h.telemetry.debug.services(&cfg, None).families[0].last_sync.clone();
+        let failed = last(&h).expect("a sync was tried");
+        assert_eq!((failed.result.as_str(), failed.full), ("error", true), "{failed:?}");
+        assert!(failed.error.is_some() && failed.last_success.is_none(), "{failed:?}");
         // A change meanwhile does not bring the retry forward.
         h.send(cluster(2).diff(&cluster(1)), true);
         h.run_for(40 * SEC).await;
+        let ok = last(&h).expect("synced");
+        assert_eq!(
+            (ok.result.as_str(), ok.full),
+            ("ok", true),
+            "the /debug view follows the syncs"
+        );
         assert_eq!(
             h.syncs(),
             vec![(Duration::ZERO, Call::SyncFull(1)), (30 * SEC, Call::SyncFull(1))]

@@ -10,6 +10,7 @@ use std::time::{Duration, SystemTime};
 use k8s_openapi::api::core::v1::Node;
 use tracing::warn;
 
+use super::debug::DebugView;
 use crate::config::ProxyMode;
 use crate::healthz::ProxyHealth;
 use crate::http::{ServiceHealthServers, ServiceKey};
@@ -22,6 +23,8 @@ use crate::proxy::SyncReport;
 pub struct Telemetry {
     pub health: ProxyHealth,
     pub metrics: Arc<Metrics>,
+    /// What the last syncs programmed, for the `/debug` endpoints.
+    pub debug: DebugView,
     mode: ProxyMode,
     service_health: ServiceHealthServers,
     /// The runtime the health-check servers run on (the HTTP servers'); `None`: the caller's.
@@ -41,6 +44,7 @@ impl Telemetry {
         Telemetry {
             health,
             metrics,
+            debug: DebugView::default(),
             mode,
             service_health,
             servers,
@@ -115,10 +119,13 @@ impl Telemetry {
             .with_label_values(&[family.as_str(), "external"])
             .set(external as f64);
         self.health.updated(family);
+        self.debug.synced(state, report.full);
     }
 
-    /// One family's sync failed (`full`: it was a full one). The counter is the mode's.
-    pub fn failed(&self, family: IpFamily, full: bool) {
+    /// One family's sync failed (`full`: it was a full one) with `error`. The counter is the
+    /// mode's.
+    pub fn failed(&self, family: IpFamily, full: bool, error: &str) {
+        self.debug.failed(family, full, error);
         let f = [family.as_str()];
         let m = &self.metrics;
         match self.mode {

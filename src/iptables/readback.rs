@@ -3,46 +3,103 @@
 //! the fixed chains (recognised by their comment, which names the service port). Pure: the
 //! caller runs `iptables-save`.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeSet, HashMap};
 
 use super::names::{SEP_PREFIX, service_port_chains};
 use crate::model::ServicePort;
 use crate::proxy::ProgrammedSection;
 
+/// One table of `iptables-save` output (with or without `-c`), indexed for picking out any
+/// service port's rules without scanning the table again: by chain, and by the service port
+/// a rule's comment names first (`"ns/svc:port cluster IP"`). Parse once, ask for every port.
+#[derive(Clone, Debug, Default)]
+pub struct SavedTable {
+    pub table: String,
+    /// Rule lines (as saved, counters included) per chain.
+    chains: HashMap<String, Vec<String>>,
+    /// Where each chain first appears, for listing sections in the table's order.
+    order: HashMap<String, usize>,
+    /// `(chain, line)` of every rule whose comment starts with a service port name.
+    by_name: HashMap<String, Vec<(String, String)>>,
+}
+
+impl SavedTable {
+    /// Indexes the saved `table`.
+    pub fn parse(table: &str, saved: &str) -> SavedTable {
+        let mut t = SavedTable {
+            table: table.to_string(),
+            ..SavedTable::default()
+        };
+        for (chain, rule) in rules(saved) {
+            let n = t.order.len();
+            t.order.entry(chain.to_string()).or_insert(n);
+            t.chains.entry(chain.to_string()).or_default().push(rule.to_string());
+            if let Some(name) = comment_name(rule) {
+                t.by_name
+                    .entry(name.to_string())
+                    .or_default()
+                    .push((chain.to_string(), rule.to_string()));
+            }
+        }
+        t
+    }
+
+    /// Whether the table has `chain` with at least one rule.
+    pub fn has_rules(&self, chain: &str) -> bool {
+        self.chains.get(chain).is_some_and(|r| !r.is_empty())
+    }
+
+    /// The chains that have rules.
+    pub fn chains(&self) -> impl Iterator<Item = &str> {
+        self.chains.keys().map(String::as_str)
+    }
+
+    /// The sections (one per chain, in the table's order) that belong to `port`: its own
+    /// chains (`KUBE-SVC/SVL/EXT/FW-…` and the `KUBE-SEP-…` chains they jump to) and its
+    /// rules in the fixed chains.
+    pub fn sections(&self, port: &ServicePort) -> Vec<ProgrammedSection> {
+        let name = port.name.to_string();
+        let chains = service_port_chains(&name, port.protocol.lower());
+        let mut own: BTreeSet<String> = [chains.cluster, chains.local, chains.external, chains.firewall]
+            .into_iter()
+            .collect();
+        let endpoint_chains: Vec<String> = own
+            .iter()
+            .filter_map(|c| self.chains.get(c))
+            .flatten()
+            .filter_map(|rule| jump_target(rule))
+            .filter(|t| t.starts_with(SEP_PREFIX))
+            .map(str::to_string)
+            .collect();
+        own.extend(endpoint_chains);
+        let mut found: HashMap<&str, Vec<String>> = HashMap::new();
+        for chain in &own {
+            if let Some(rules) = self.chains.get(chain) {
+                found.insert(chain, rules.clone());
+            }
+        }
+        for (chain, rule) in self.by_name.get(&name).into_iter().flatten() {
+            if !own.contains(chain) {
+                found.entry(chain).or_default().push(rule.clone());
+            }
+        }
+        let mut sections: Vec<(usize, ProgrammedSection)> = found
+            .into_iter()
+            .map(|(chain, lines)| {
+                let at = self.order.get(chain).copied().unwrap_or(usize::MAX);
+                let place = format!("{} {chain}", self.table);
+                (at, ProgrammedSection { place, lines })
+            })
+            .collect();
+        sections.sort_by_key(|(at, _)| *at);
+        sections.into_iter().map(|(_, s)| s).collect()
+    }
+}
+
 /// The sections of `table` (one per chain, in the order `iptables-save` lists them) that
 /// belong to `port`, from that table's `iptables-save -c` output.
 pub fn service_port_sections(table: &str, saved: &str, port: &ServicePort) -> Vec<ProgrammedSection> {
-    let name = port.name.to_string();
-    let chains = service_port_chains(&name, port.protocol.lower());
-    let mut own: BTreeSet<String> = [chains.cluster, chains.local, chains.external, chains.firewall]
-        .into_iter()
-        .collect();
-    // The endpoint chains are the ones the service's chains jump to.
-    for (chain, rule) in rules(saved) {
-        if own.contains(chain)
-            && let Some(target) = jump_target(rule)
-            && target.starts_with(SEP_PREFIX)
-        {
-            own.insert(target.to_string());
-        }
-    }
-    let mut order: Vec<String> = Vec::new();
-    let mut by_chain: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    for (chain, rule) in rules(saved) {
-        if own.contains(chain) || names_port(rule, &name) {
-            if !by_chain.contains_key(chain) {
-                order.push(chain.to_string());
-            }
-            by_chain.entry(chain.to_string()).or_default().push(rule.to_string());
-        }
-    }
-    order
-        .into_iter()
-        .map(|chain| ProgrammedSection {
-            place: format!("{table} {chain}"),
-            lines: by_chain.remove(&chain).unwrap_or_default(),
-        })
-        .collect()
+    SavedTable::parse(table, saved).sections(port)
 }
 
 /// `(chain, whole line)` of every rule line (`[pkts:bytes] -A CHAIN …` or `-A CHAIN …`).
@@ -58,7 +115,7 @@ fn rules(saved: &str) -> impl Iterator<Item = (&str, &str)> {
 }
 
 /// The chain a rule jumps (`-j`) or goes (`-g`) to.
-fn jump_target(rule: &str) -> Option<&str> {
+pub fn jump_target(rule: &str) -> Option<&str> {
     let mut words = rule.split_whitespace();
     while let Some(w) = words.next() {
         if w == "-j" || w == "-g" {
@@ -68,16 +125,12 @@ fn jump_target(rule: &str) -> Option<&str> {
     None
 }
 
-/// Whether a rule's comment names the service port `name` (`ns/svc:port`), not merely a
-/// longer name it is a prefix of (`ns/svc` vs `ns/svc:http`).
-fn names_port(rule: &str, name: &str) -> bool {
-    let Some(i) = rule.find("--comment ") else {
-        return false;
-    };
+/// The first word of a rule's comment when it names a service port (`ns/svc[:port]`).
+fn comment_name(rule: &str) -> Option<&str> {
+    let i = rule.find("--comment ")?;
     let comment = rule[i + "--comment ".len()..].trim_start_matches('"');
-    comment
-        .strip_prefix(name)
-        .is_some_and(|rest| rest.is_empty() || rest.starts_with([' ', '"']))
+    let word = comment.split([' ', '"']).next()?;
+    word.contains('/').then_some(word)
 }
 
 #[cfg(test)]

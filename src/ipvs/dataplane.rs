@@ -115,3 +115,9 @@ fn real_server_line(rs: &RealServer) -> String {
         rs.inactive_conns
     )
 }
+
+/// `-> 10.244.1.5:53 Masq weight 1`: a real server as kube-proxy programs it (always NAT), the
+/// start of its read-back line.
+pub fn real_server_text(address: std::net::IpAddr, port: u16, weight: u32) -> String {
+    format!("-> {} Masq weight {weight}", SocketAddr::new(address, port))
+}

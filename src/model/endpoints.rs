@@ -8,6 +8,7 @@ use std::net::IpAddr;
 
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
+use super::places::Place;
 use super::services::parse_ip;
 use super::{
     IpFamily, LABEL_HEADLESS, LABEL_SERVICE_NAME, LABEL_SERVICE_PROXY_NAME, Protocol, ServicePortName, is_valid_name,
@@ -26,6 +27,8 @@ pub struct Endpoint {
     pub terminating: bool,
     pub zone_hints: Hints,
     pub node_hints: Hints,
+    /// Its `nodeName` and `zone` (shown by `explain`; locality is `is_local`).
+    pub place: Place,
 }
 
 /// Topology hints of an endpoint (zone or node names). Most endpoints have none: an empty
@@ -71,6 +74,7 @@ impl Endpoint {
             terminating: false,
             zone_hints: Hints::default(),
             node_hints: Hints::default(),
+            place: Place::default(),
         }
     }
 }
@@ -250,6 +254,7 @@ impl SliceEntry {
                     .flatten()
                     .map(|n| n.name.clone())
                     .collect(),
+                place: Place::new(ep.node_name.as_deref(), ep.zone.as_deref()),
             });
         }
 

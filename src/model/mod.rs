@@ -6,6 +6,7 @@
 //! endpoint is skipped with a warning that names the object and the field.
 
 mod endpoints;
+pub mod places;
 mod services;
 pub mod store;
 pub mod synthetic;
@@ -22,9 +23,10 @@ use ipnet::IpNet;
 use k8s_openapi::api::core::v1::Node;
 
 pub use endpoints::{Endpoint, Hints, SliceEntry, SlicePort, endpoints_by_service_port};
+pub use places::Place;
 pub use services::{ServiceEntry, ServicePort, ServicePortName, service_ports};
 pub use store::{StateBuilder, Store};
-pub use topology::{EndpointSets, NodeTopology, categorize_endpoints};
+pub use topology::{Categorization, EndpointSets, NodeTopology, TopologyMode, categorize, categorize_endpoints};
 pub use types::{IpFamily, Protocol};
 
 use crate::manifest::Objects;

@@ -4,7 +4,9 @@
 
 use std::net::{IpAddr, Ipv4Addr};
 
-use super::{Endpoint, IpFamily, NodeInfo, Protocol, ProxyState, ServicePort, ServicePortName, ServicePortState};
+use super::{
+    Endpoint, IpFamily, NodeInfo, Place, Protocol, ProxyState, ServicePort, ServicePortName, ServicePortState,
+};
 
 /// The state of one IPv4 node in such a cluster.
 pub fn state(services: usize, endpoints: usize) -> ProxyState {
@@ -31,6 +33,8 @@ pub fn service(i: usize, endpoints: usize, generation: u32) -> ServicePortState 
             let n = (i * endpoints + j) as u32 + generation * 0x0004_0000;
             Endpoint {
                 is_local: j == 0,
+                // As the benchmarks write them into manifests.
+                place: Place::new(Some(if j == 0 { "node-a" } else { "node-b" }), None),
                 ..Endpoint::ready(IpAddr::V4(Ipv4Addr::from(0x0af4_0000u32 + n)), 8080)
             }
         })

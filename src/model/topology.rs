@@ -59,11 +59,38 @@ impl NodeTopology {
     }
 }
 
+/// Which topology hints decided a port's cluster endpoints on this node.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum TopologyMode {
+pub enum TopologyMode {
+    /// Hints were absent, incomplete or matched nothing here: every ready endpoint counts.
     None,
+    /// Every ready endpoint has node hints and one names this node.
     PreferSameNode,
+    /// Every ready endpoint has zone hints and one names this node's zone.
     PreferSameZone,
+}
+
+impl TopologyMode {
+    /// `none`, `PreferSameNode` or `PreferSameZone` (the trafficDistribution values).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TopologyMode::None => "none",
+            TopologyMode::PreferSameNode => "PreferSameNode",
+            TopologyMode::PreferSameZone => "PreferSameZone",
+        }
+    }
+}
+
+/// [`categorize_endpoints`] with how it decided: the topology mode and whether each set fell
+/// back to serving-and-terminating endpoints (`kube-proxy explain` says why).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Categorization {
+    pub sets: EndpointSets,
+    pub topology: TopologyMode,
+    /// No endpoint was ready: the cluster set is the serving, terminating ones.
+    pub cluster_terminating: bool,
+    /// No local endpoint was ready: the local set is the local serving, terminating ones.
+    pub local_terminating: bool,
 }
 
 /// Categorises `endpoints` (sorted by `ip:port`) for `svc` as seen from node `node_name` in
@@ -75,8 +102,20 @@ pub fn categorize_endpoints(
     zone: Option<&str>,
     prefer_same_node: bool,
 ) -> EndpointSets {
+    categorize(endpoints, svc, node_name, zone, prefer_same_node).sets
+}
+
+/// [`categorize_endpoints`], saying how it decided.
+pub fn categorize(
+    endpoints: &[Endpoint],
+    svc: &ServicePort,
+    node_name: &str,
+    zone: Option<&str>,
+    prefer_same_node: bool,
+) -> Categorization {
     let mut sets = EndpointSets::default();
     let mut mode = TopologyMode::None;
+    let mut cluster_terminating = false;
 
     if svc.uses_cluster_endpoints() {
         mode = topology_mode(endpoints, node_name, zone, prefer_same_node);
@@ -92,13 +131,20 @@ pub fn categorize_endpoints(
                 .filter(|ep| ep.serving && ep.terminating)
                 .cloned()
                 .collect();
+            cluster_terminating = !sets.cluster.is_empty();
         }
         sets.has_any = !sets.cluster.is_empty();
     }
+    let done = |sets: EndpointSets, local_terminating: bool| Categorization {
+        sets,
+        topology: mode,
+        cluster_terminating,
+        local_terminating,
+    };
 
     if !svc.uses_local_endpoints() {
         sets.all_reachable = sets.cluster.clone();
-        return sets;
+        return done(sets, false);
     }
 
     let mut local_ready = false;
@@ -126,12 +172,12 @@ pub fn categorize_endpoints(
 
     if !svc.uses_cluster_endpoints() {
         sets.all_reachable = sets.local.clone();
-        return sets;
+        return done(sets, uses_terminating);
     }
     if mode == TopologyMode::None && !uses_terminating {
         // Cluster endpoints are then a superset of the local ones.
         sets.all_reachable = sets.cluster.clone();
-        return sets;
+        return done(sets, uses_terminating);
     }
     let mut all: Vec<Endpoint> = sets.cluster.clone();
     for ep in &sets.local {
@@ -141,7 +187,7 @@ pub fn categorize_endpoints(
     }
     all.sort_by_key(|e| e.to_string());
     sets.all_reachable = all;
-    sets
+    done(sets, uses_terminating)
 }
 
 /// All-or-nothing hints: every ready endpoint must carry a hint of the kind, and one must

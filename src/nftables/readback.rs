@@ -3,11 +3,15 @@
 //! them. The listing itself is the backend's ([`super::proxier::NftBackend::list`]); what to
 //! list and how to pick the port's lines out of a listing is here, pure.
 
+use super::ast::{ElemKey, family_keyword};
+use super::names::TABLE;
 use super::names::{
     ENDPOINT_PREFIX, FIREWALL_IPS, NO_ENDPOINT_NODEPORTS, NO_ENDPOINT_SERVICES, SERVICE_IPS, SERVICE_NODEPORTS,
     ServicePortChains,
 };
+use super::ruleset::Ruleset;
 use crate::model::ServicePort;
+use crate::proxy::ProgrammedSection;
 
 /// An object of the table that `nft list` can print.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -95,6 +99,72 @@ pub fn element_of(element: &str, port: &ServicePort, chains: &[String]) -> bool 
         keys.push(format!("{proto} . {}", port.node_port));
     }
     keys.iter().any(|k| k == key.trim())
+}
+
+/// The keys of `port`'s elements in the dispatch maps: each of its addresses with its
+/// protocol and port, and its NodePort.
+pub fn element_keys(port: &ServicePort) -> Vec<ElemKey> {
+    let addresses = std::iter::once(&port.cluster_ip)
+        .chain(&port.external_ips)
+        .chain(&port.load_balancer_vips);
+    let mut keys: Vec<ElemKey> = addresses
+        .map(|ip| ElemKey::AddrProtoPort(*ip, port.protocol, port.port))
+        .collect();
+    if port.node_port != 0 {
+        keys.push(ElemKey::ProtoPort(port.protocol, port.node_port));
+    }
+    keys
+}
+
+/// The sections of `port` in a model of the table (rendered, or read back from the kernel):
+/// its chains and the endpoint chains they lead to, each rule in knftables' text, then its
+/// elements of the dispatch maps (`key : verdict`). Direct lookups: cheap for every port of
+/// a large table.
+pub fn sections(ruleset: &Ruleset, port: &ServicePort) -> Vec<ProgrammedSection> {
+    let family = ruleset.family;
+    let place = |kind: &str, name: &str| format!("{} {TABLE} {kind} {name}", family_keyword(family));
+    let mut out = Vec::new();
+    let mut chains = own_chains(port);
+    let mut i = 0;
+    while i < chains.len() {
+        let name = chains[i].clone();
+        i += 1;
+        let Some(chain) = ruleset.chains.get(&name) else {
+            continue;
+        };
+        for rule in &chain.rules {
+            for t in rule.targets() {
+                if t.starts_with(ENDPOINT_PREFIX) && !chains.iter().any(|c| c == t) {
+                    chains.push(t.to_string());
+                }
+            }
+        }
+        out.push(ProgrammedSection {
+            place: place("chain", &name),
+            lines: chain.rules.iter().map(|r| r.text(family)).collect(),
+        });
+    }
+    let keys = element_keys(port);
+    for map in DISPATCH_MAPS {
+        let Some(set) = ruleset.sets.get(map) else {
+            continue;
+        };
+        let lines: Vec<String> = keys
+            .iter()
+            .filter_map(|k| set.elements.get(k))
+            .map(|e| match &e.value {
+                Some(v) => format!("{} : {v}", e.key),
+                None => e.key.to_string(),
+            })
+            .collect();
+        if !lines.is_empty() {
+            out.push(ProgrammedSection {
+                place: place("map", map),
+                lines,
+            });
+        }
+    }
+    out
 }
 
 #[cfg(test)]

@@ -51,13 +51,13 @@ impl SyncError {
 /// section is where it lives (a table and chain, an nftables map or chain, an IPVS virtual
 /// server) with its lines as the mode's tools print them (counters included where the kernel
 /// keeps them).
-#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Programmed {
     pub sections: Vec<ProgrammedSection>,
 }
 
 /// One place in the kernel and the lines of one service port there.
-#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ProgrammedSection {
     /// e.g. `nat KUBE-SVC-…`, `ip kube-proxy service-ips`, `TCP 10.96.0.10:53`.
     pub place: String,

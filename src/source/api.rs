@@ -31,7 +31,7 @@ use tracing::{info, warn};
 use crate::config::ClientConnection;
 use crate::model::store::{self, Change, ObjectName, object_name};
 use crate::model::{LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME, ServiceEntry, SliceEntry};
-use crate::source::{Running, Source, Update};
+use crate::source::{Running, Source, SourceStatus, Update};
 
 /// Upstream's informer label selector for Services and EndpointSlices.
 pub fn label_selector() -> String {
@@ -135,8 +135,9 @@ pub struct KubeApi(pub ClientConnection);
 impl Source for KubeApi {
     fn start(self: Box<Self>, node_name: &str) -> anyhow::Result<Running> {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let source = ApiSource::start(&self.0, node_name, tx)?;
-        Ok(Running::new(rx, source))
+        let status = SourceStatus::new("api");
+        let source = ApiSource::start(&self.0, node_name, tx, status.clone())?;
+        Ok(Running::new(rx, status, source))
     }
 }
 
@@ -146,11 +147,13 @@ pub struct ApiSource {
 }
 
 impl ApiSource {
-    /// Connects and starts the watchers; every change goes to `updates`.
+    /// Connects and starts the watchers; every change goes to `updates`, each watch's failures
+    /// and recoveries to `status`.
     pub fn start(
         cfg: &ClientConnection,
         node_name: &str,
         updates: UnboundedSender<Update>,
+        status: SourceStatus,
     ) -> anyhow::Result<ApiSource> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
@@ -176,8 +179,7 @@ impl ApiSource {
         runtime.spawn(watch(
             Api::<Service>::all(client.clone()),
             svc_cfg.clone(),
-            store.clone(),
-            updates.clone(),
+            (store.clone(), updates.clone(), status.clone()),
             |w, e| {
                 let changes = w.services.apply(e, store::service_entry);
                 changes.into_iter().map(|(n, e)| Change::Service(n, e)).collect()
@@ -186,8 +188,7 @@ impl ApiSource {
         runtime.spawn(watch(
             Api::<EndpointSlice>::all(client.clone()),
             svc_cfg,
-            store.clone(),
-            updates.clone(),
+            (store.clone(), updates.clone(), status.clone()),
             {
                 let node_name = node_name.to_string();
                 move |w, e| {
@@ -199,8 +200,7 @@ impl ApiSource {
         runtime.spawn(watch(
             Api::<Node>::all(client.clone()),
             node_cfg,
-            store,
-            updates,
+            (store, updates, status),
             |w, e| {
                 if w.nodes.apply(e, Node::clone).is_empty() {
                     return Vec::new();
@@ -242,11 +242,13 @@ async fn client(cfg: &ClientConnection) -> anyhow::Result<Client> {
     Client::try_from(config).context("building the API client")
 }
 
+/// Where a watch delivers: the shared store, the daemon's channel, the source's status.
+type WatchSinks = (Arc<Mutex<Watched>>, UnboundedSender<Update>, SourceStatus);
+
 async fn watch<K>(
     api: Api<K>,
     config: watcher::Config,
-    store: Arc<Mutex<Watched>>,
-    updates: UnboundedSender<Update>,
+    (store, updates, status): WatchSinks,
     apply: impl Fn(&mut Watched, watcher::Event<K>) -> Vec<Change> + Send + 'static,
 ) where
     K: Resource + Clone + DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
@@ -257,6 +259,7 @@ async fn watch<K>(
     while let Some(event) = stream.next().await {
         match event {
             Ok(event) => {
+                status.ok(&name);
                 let update = match store.lock() {
                     Ok(mut w) => {
                         let was_synced = w.synced();
@@ -273,7 +276,10 @@ async fn watch<K>(
                 }
             }
             // The backoff spaces retries; the store (and so the rules) stay as they are.
-            Err(e) => warn!(kind = %name, error = %e, "Watch failed; retrying"),
+            Err(e) => {
+                status.failed(&name, &e.to_string());
+                warn!(kind = %name, error = %e, "Watch failed; retrying");
+            }
         }
     }
 }

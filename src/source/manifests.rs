@@ -43,7 +43,7 @@ impl Source for ManifestDir {
             .name("kube-manifests".into())
             .spawn(move || follow(source, &events, &tx))
             .context("starting the manifest source's thread")?;
-        Ok(Running::new(rx, watcher))
+        Ok(Running::new(rx, crate::source::SourceStatus::new("manifests"), watcher))
     }
 }
 

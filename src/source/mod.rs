@@ -9,10 +9,12 @@
 
 pub mod api;
 pub mod manifests;
+pub mod status;
 
 use tokio::sync::mpsc;
 
 pub use crate::model::store::Change;
+pub use status::{SourceHealth, SourceStatus};
 
 /// One batch of changes from a source.
 #[derive(Debug, Default)]
@@ -27,15 +29,18 @@ pub struct Update {
 /// receiver then yields `None`); dropping this stops it.
 pub struct Running {
     pub updates: mpsc::UnboundedReceiver<Update>,
+    /// Whether it reaches its objects (the API source reports failing watches).
+    pub status: SourceStatus,
     /// Whatever keeps the source alive (watcher, runtime, thread handle).
     _guard: Box<dyn Send>,
 }
 
 impl Running {
     /// A running source delivering on `updates`, kept alive by `guard`.
-    pub fn new(updates: mpsc::UnboundedReceiver<Update>, guard: impl Send + 'static) -> Running {
+    pub fn new(updates: mpsc::UnboundedReceiver<Update>, status: SourceStatus, guard: impl Send + 'static) -> Running {
         Running {
             updates,
+            status,
             _guard: Box::new(guard),
         }
     }

@@ -25,6 +25,7 @@ mod rule;
 mod tables;
 pub(crate) mod walk;
 
+pub use parse::canonical_rule;
 use walk::{Hook, Hooks, ModeState, PathState, Tracer, finish};
 
 /// No ipsets at all: iptables mode creates none, so a rule naming one is an error, as it

@@ -319,6 +319,38 @@ fn add_jump_rule(
     Ok(())
 }
 
+/// A rule line of `iptables-restore` input or `iptables-save` output (`-A CHAIN …`, with or
+/// without `[packets:bytes]` in front) of `table`, reduced to what it means: its chain,
+/// comment, matches (in any order: `iptables-save` puts `-s`/`-d`/`-p` first and spells
+/// addresses as CIDRs) and target. `None` for a line the tracer cannot read.
+pub fn canonical_rule(line: &str, table: &str) -> Option<String> {
+    let line = match line.trim().strip_prefix('[') {
+        Some(rest) => rest.split_once("] ")?.1,
+        None => line.trim(),
+    };
+    let tokens = tokenize(line).ok()?;
+    if tokens.first().map(String::as_str) != Some("-A") {
+        return None;
+    }
+    let chain = tokens.get(1)?;
+    let table = match table {
+        "filter" => FILTER,
+        "nat" => NAT,
+        _ => return None,
+    };
+    let parsed = parse_rule(&tokens[2..], IpFamily::V4, table)
+        .or_else(|_| parse_rule(&tokens[2..], IpFamily::V6, table))
+        .ok()?;
+    let mut matches: Vec<String> = parsed.matches.iter().map(|m| format!("{m:?}")).collect();
+    matches.sort();
+    Some(format!(
+        "{chain} {:?} [{}] {:?}",
+        parsed.comment,
+        matches.join(", "),
+        parsed.target
+    ))
+}
+
 /// Splits a line the way iptables-restore does: whitespace separates, double quotes group (and
 /// a closing quote ends the token), a backslash escapes `"` or `\` inside quotes.
 fn tokenize(line: &str) -> Result<Vec<String>, String> {
@@ -386,6 +418,17 @@ mod tests {
 
     fn strs(v: &[&str]) -> Vec<String> {
         v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn saved_and_rendered_rules_are_the_same_rule() {
+        let rendered = r#"-A KUBE-SERVICES -m comment --comment "ns/web:p cluster IP" -m tcp -p tcp -d 10.96.0.1 --dport 80 -j KUBE-SVC-X"#;
+        let saved = r#"[3:180] -A KUBE-SERVICES -d 10.96.0.1/32 -p tcp -m comment --comment "ns/web:p cluster IP" -m tcp --dport 80 -j KUBE-SVC-X"#;
+        let other = r#"-A KUBE-SERVICES -d 10.96.0.2/32 -p tcp -m comment --comment "ns/web:p cluster IP" -m tcp --dport 80 -j KUBE-SVC-X"#;
+        let a = canonical_rule(rendered, "nat").expect("parses");
+        assert_eq!(Some(&a), canonical_rule(saved, "nat").as_ref());
+        assert_ne!(Some(&a), canonical_rule(other, "nat").as_ref());
+        assert_eq!(canonical_rule("-A X -m nosuchmodule -j Y", "nat"), None);
     }
 
     #[test]
