@@ -1,5 +1,6 @@
 //! The command line of the `kube-proxy` binary: upstream's flags ([`Flags`], defined in
-//! [`crate::config`]), the daemon-only flags, and the subcommands `render`, `trace` and `lab`,
+//! [`crate::config`]), the daemon-only flags, and the subcommands `render`, `trace`, `lab` and
+//! `explain`,
 //! as clap parses them; plus upstream's `_` → `-` normalisation of flag names.
 
 use std::net::{IpAddr, SocketAddr};
@@ -41,6 +42,31 @@ pub enum Command {
     /// Build a throw-away node, pods and an outside host in network namespaces, run the proxy
     /// there and show what it does (needs root; never touches the root namespace).
     Lab(LabArgs),
+    /// Say why a Service works or not on this node: its Service and endpoints as kube-proxy
+    /// sees them, the kernel's rules, conntrack, routes, and one line per problem found (run as
+    /// root in the node's network namespace). Exit status: 0 nothing wrong, 1 a problem found,
+    /// 2 a usage error.
+    Explain(ExplainArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct ExplainArgs {
+    /// The Service: [NAMESPACE/]NAME[:PORT] (namespace `default` when omitted; the port by name
+    /// or number, all its ports when omitted).
+    #[arg(required_unless_present = "all", conflicts_with = "all")]
+    pub service: Option<String>,
+    /// One line per service port of every Service, with its status.
+    #[arg(long)]
+    pub all: bool,
+    /// A client address to check against the Service (loadBalancerSourceRanges).
+    #[arg(long)]
+    pub from: Option<IpAddr>,
+    /// Read Services, EndpointSlices and the Node from this directory of manifests instead of
+    /// asking the running daemon (works when it is down). --kubeconfig reads them from the API.
+    #[arg(long, value_name = "DIR")]
+    pub manifests: Option<PathBuf>,
+    #[arg(long, value_enum, default_value = "text")]
+    pub output: OutputArg,
 }
 
 #[derive(Args, Debug)]

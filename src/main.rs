@@ -1,5 +1,5 @@
 //! The `kube-proxy` binary: the command line ([`kube_proxy::cli`]), then the daemon or one of
-//! the subcommands `render`, `trace` and `lab`. A thin edge: reading files and printing;
+//! the subcommands `render`, `trace`, `lab` and `explain`. A thin edge: reading files and printing;
 //! everything else lives in the library.
 
 use std::path::{Path, PathBuf};
@@ -11,7 +11,7 @@ use tracing::{info, warn};
 
 use kube_proxy::app;
 use kube_proxy::cli::{
-    Cli, Command, DaemonFlags, FamilyArg, LabAction, OutputArg, RenderArgs, TraceArgs, normalize_args,
+    Cli, Command, DaemonFlags, ExplainArgs, FamilyArg, LabAction, OutputArg, RenderArgs, TraceArgs, normalize_args,
 };
 use kube_proxy::config::ProxyConfig;
 use kube_proxy::manifest;
@@ -68,8 +68,10 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             warn!("{w}");
         }
     }
+    let api = cli.flags.kubeconfig.is_some() || cli.flags.master.is_some();
     match cli.command {
         None => daemon(cfg, cli.daemon),
+        Some(Command::Explain(args)) => Ok(explain_cmd(&cfg, args, api)),
         Some(Command::Render(args)) => render(&cfg, args),
         Some(Command::Trace(args)) => trace_cmd(&cfg, args),
         Some(Command::Lab(args)) => match args.action {
@@ -207,4 +209,55 @@ fn trace_cmd(cfg: &ProxyConfig, args: TraceArgs) -> anyhow::Result<ExitCode> {
         OutputArg::Text => print!("{}", trace::render_text(&result, &packet)),
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `explain`: 0 when nothing is wrong, 1 when a problem is diagnosed, 2 on a usage error
+/// (including what makes the question unanswerable: unreadable manifests, an API that does
+/// not list the objects).
+fn explain_cmd(cfg: &ProxyConfig, args: ExplainArgs, api: bool) -> ExitCode {
+    use kube_proxy::explain::{diagnose, gather, report, view::ServiceRef};
+    const USAGE: u8 = 2;
+    let target = match args.service.as_deref().map(ServiceRef::parse).transpose() {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: invalid value for SERVICE: {e}");
+            return ExitCode::from(USAGE);
+        }
+    };
+    if let Some(dir) = args.manifests.as_ref().filter(|d| !d.is_dir()) {
+        eprintln!(
+            "error: invalid value {:?} for --manifests: not a directory",
+            dir.display().to_string()
+        );
+        return ExitCode::from(USAGE);
+    }
+    let req = gather::Request {
+        target: target.clone(),
+        all: args.all,
+        from: args.from,
+        manifests: args.manifests.clone(),
+        api,
+    };
+    let facts = match gather::gather(cfg, &req) {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(USAGE);
+        }
+    };
+    let asked = target.as_ref().map(ToString::to_string);
+    let diagnosis = diagnose::diagnose(&facts, asked.as_deref());
+    match args.output {
+        OutputArg::Json => println!("{}", report::json(&facts, &diagnosis)),
+        OutputArg::Text if args.all => print!("{}", report::all_text(&facts, &diagnosis)),
+        OutputArg::Text => print!(
+            "{}",
+            report::text(&facts, &diagnosis, asked.as_deref().unwrap_or("--all"))
+        ),
+    }
+    if diagnosis.problems.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    }
 }

@@ -13,7 +13,7 @@ use netlink_packet_core::{
     NLM_F_ACK, NLM_F_DUMP, NLM_F_DUMP_INTR, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
 };
 use netlink_packet_netfilter::conntrack::{
-    ConntrackAttribute, ConntrackMessage, IPTuple, ProtoTuple, Protocol as CtProtocol, Tuple,
+    ConntrackAttribute, ConntrackMessage, IPTuple, ProtoInfo, ProtoInfoTCP, ProtoTuple, Protocol as CtProtocol, Tuple,
 };
 use netlink_packet_netfilter::{NetfilterHeader, NetfilterMessage, NetfilterMessageInner, NetfilterProtoFamily};
 use netlink_sys::{Socket, SocketAddr as NlSocketAddr, protocols::NETLINK_NETFILTER};
@@ -21,12 +21,15 @@ use nix::errno::Errno;
 use tracing::{debug, warn};
 
 use super::cleanup::{ConntrackTable, Error, Flow};
+use super::stats::{self, Statistics, TableUsage, Tracked};
 use crate::model::IpFamily;
 use crate::netlink::{self, NLMSG_DONE, NLMSG_ERROR};
 
 /// ctnetlink is nfnetlink subsystem 1; its message types are `subsys << 8 | IPCTNL_MSG_CT_*`.
 const NFNL_SUBSYS_CTNETLINK: u16 = 1;
+const IPPROTO_TCP: u8 = 6;
 const IPPROTO_UDP: u8 = 17;
+const IPPROTO_SCTP: u8 = 132;
 /// Large enough for any single netlink datagram: the kernel caps dump skbs at 32 KiB.
 const RECV_BUFFER: usize = 64 * 1024;
 /// Delete requests sent per `send`, each acknowledged separately.
@@ -100,8 +103,12 @@ struct Reply {
 
 #[derive(Debug, PartialEq)]
 enum ReplyKind {
-    /// A ctnetlink flow message: a UDP flow, another protocol, or one we could not decode.
-    Flow(Result<Option<Flow>, String>),
+    /// A ctnetlink flow message: an entry with ports (TCP, UDP, SCTP), another protocol, or
+    /// one we could not decode.
+    Flow(Result<Option<Tracked>, String>),
+    /// One CPU's statistics (`IPCTNL_MSG_CT_GET_STATS_CPU`) or the table's usage
+    /// (`IPCTNL_MSG_CT_GET_STATS`), their attributes as sent.
+    Stats(u8, Vec<u8>),
     /// `NLMSG_DONE` (its error field, when non-zero, becomes `Nack`).
     Done,
     /// `NLMSG_ERROR` with 0: an acknowledgement.
@@ -126,7 +133,10 @@ fn parse_replies(buf: &[u8]) -> Result<Vec<Reply>, String> {
                 None if m.msg_type == NLMSG_DONE => ReplyKind::Done,
                 None => return Err("NLMSG_ERROR without an error code".to_string()),
             },
-            t if t >> 8 == NFNL_SUBSYS_CTNETLINK => ReplyKind::Flow(decode_flow(m.bytes)),
+            t if t >> 8 == NFNL_SUBSYS_CTNETLINK && stats::is_stats(t as u8) => {
+                ReplyKind::Stats(t as u8, m.payload.get(4..).unwrap_or_default().to_vec())
+            }
+            t if t >> 8 == NFNL_SUBSYS_CTNETLINK => ReplyKind::Flow(decode_entry(m.bytes)),
             _ => ReplyKind::Other,
         };
         out.push(Reply {
@@ -138,8 +148,9 @@ fn parse_replies(buf: &[u8]) -> Result<Vec<Reply>, String> {
     Ok(out)
 }
 
-/// Decodes one ctnetlink flow message; `Ok(None)` for a well-formed flow that is not UDP.
-fn decode_flow(message: &[u8]) -> Result<Option<Flow>, String> {
+/// Decodes one ctnetlink flow message; `Ok(None)` for a well-formed entry without ports
+/// (ICMP, GRE, ...).
+fn decode_entry(message: &[u8]) -> Result<Option<Tracked>, String> {
     let msg = NetlinkMessage::<NetfilterMessage>::deserialize(message).map_err(|e| e.to_string())?;
     let attrs = match msg.payload {
         NetlinkPayload::InnerMessage(NetfilterMessage {
@@ -151,11 +162,22 @@ fn decode_flow(message: &[u8]) -> Result<Option<Flow>, String> {
         }) => attrs,
         _ => return Ok(None),
     };
-    let (mut orig, mut reply) = (None, None);
+    let (mut orig, mut reply, mut tcp_state) = (None, None, None);
     for attr in &attrs {
         match attr {
             ConntrackAttribute::CtaTupleOrig(t) => orig = Some(TupleParts::of(t)),
             ConntrackAttribute::CtaTupleReply(t) => reply = Some(TupleParts::of(t)),
+            ConntrackAttribute::CtaProtoInfo(info) => {
+                for i in info {
+                    if let ProtoInfo::TCP(tcp) = i {
+                        for t in tcp {
+                            if let ProtoInfoTCP::State(state) = t {
+                                tcp_state = Some(*state);
+                            }
+                        }
+                    }
+                }
+            }
             _ => {}
         }
     }
@@ -163,20 +185,40 @@ fn decode_flow(message: &[u8]) -> Result<Option<Flow>, String> {
         (Some(o), Some(r)) => (o, r),
         _ => return Err("flow without both CTA_TUPLE_ORIG and CTA_TUPLE_REPLY".to_string()),
     };
-    if orig.proto != Some(IPPROTO_UDP) {
+    let Some(protocol) = orig.proto else {
+        return Err("flow without a protocol".to_string());
+    };
+    if !matches!(protocol, IPPROTO_TCP | IPPROTO_UDP | IPPROTO_SCTP) {
         return Ok(None);
     }
-    let missing = |what: &str| format!("UDP flow without {what}");
-    Ok(Some(Flow {
-        orig_src: orig.src.ok_or_else(|| missing("original source"))?,
-        orig_dst: orig.dst.ok_or_else(|| missing("original destination"))?,
-        orig_sport: orig.sport.ok_or_else(|| missing("original source port"))?,
-        orig_dport: orig.dport.ok_or_else(|| missing("original destination port"))?,
-        reply_src: reply.src.ok_or_else(|| missing("reply source"))?,
-        reply_dst: reply.dst.ok_or_else(|| missing("reply destination"))?,
-        reply_sport: reply.sport.ok_or_else(|| missing("reply source port"))?,
-        reply_dport: reply.dport.ok_or_else(|| missing("reply destination port"))?,
+    let name = match protocol {
+        IPPROTO_TCP => "TCP",
+        IPPROTO_UDP => "UDP",
+        _ => "SCTP",
+    };
+    let missing = |what: &str| format!("{name} flow without {what}");
+    Ok(Some(Tracked {
+        protocol,
+        flow: Flow {
+            orig_src: orig.src.ok_or_else(|| missing("original source"))?,
+            orig_dst: orig.dst.ok_or_else(|| missing("original destination"))?,
+            orig_sport: orig.sport.ok_or_else(|| missing("original source port"))?,
+            orig_dport: orig.dport.ok_or_else(|| missing("original destination port"))?,
+            reply_src: reply.src.ok_or_else(|| missing("reply source"))?,
+            reply_dst: reply.dst.ok_or_else(|| missing("reply destination"))?,
+            reply_sport: reply.sport.ok_or_else(|| missing("reply source port"))?,
+            reply_dport: reply.dport.ok_or_else(|| missing("reply destination port"))?,
+        },
+        tcp_state,
     }))
+}
+
+/// Decodes one ctnetlink flow message; `Ok(None)` for a well-formed flow that is not UDP.
+#[cfg(test)]
+fn decode_flow(message: &[u8]) -> Result<Option<Flow>, String> {
+    Ok(decode_entry(message)?
+        .filter(|t| t.protocol == IPPROTO_UDP)
+        .map(|t| t.flow))
 }
 
 #[derive(Default)]
@@ -358,7 +400,9 @@ impl DeleteTally {
 pub struct Dump {
     /// UDP flows of the asked family.
     pub udp: Vec<Flow>,
-    /// Well-formed entries of other protocols.
+    /// Every entry with ports (TCP, UDP, SCTP) of the asked family, UDP included.
+    pub tracked: Vec<Tracked>,
+    /// Well-formed entries of protocols other than UDP.
     pub other: usize,
     /// Why each entry that did not decode was skipped.
     pub undecodable: Vec<String>,
@@ -383,10 +427,73 @@ impl Netlink {
                 match reply.kind {
                     ReplyKind::Done => return Ok(dump),
                     ReplyKind::Nack(code) => return Err(kernel_error(&what, code)),
-                    ReplyKind::Flow(Ok(Some(flow))) if flow.family() == family => dump.udp.push(flow),
+                    ReplyKind::Flow(Ok(Some(t))) if t.flow.family() == family => {
+                        if t.protocol == IPPROTO_UDP {
+                            dump.udp.push(t.flow.clone());
+                        } else {
+                            dump.other += 1;
+                        }
+                        dump.tracked.push(t);
+                    }
                     ReplyKind::Flow(Ok(_)) => dump.other += 1,
                     ReplyKind::Flow(Err(detail)) => dump.undecodable.push(detail),
-                    ReplyKind::Ack | ReplyKind::Other => {}
+                    ReplyKind::Ack | ReplyKind::Stats(..) | ReplyKind::Other => {}
+                }
+            }
+        }
+    }
+}
+
+impl Netlink {
+    /// The statistics `conntrack -S` prints, summed over the CPUs (this network namespace's).
+    pub fn statistics(&mut self) -> Result<Statistics, Error> {
+        let seq = self.next_seq();
+        let what = "the conntrack statistics".to_string();
+        self.send(&stats::cpu_request(seq), &what)?;
+        let mut total = Statistics::default();
+        loop {
+            for reply in self.recv(&what)? {
+                if reply.seq != seq {
+                    continue;
+                }
+                match reply.kind {
+                    ReplyKind::Done => return Ok(total),
+                    ReplyKind::Nack(code) => return Err(kernel_error(&what, code)),
+                    ReplyKind::Stats(_, attrs) => {
+                        total.add(&stats::parse_cpu(&attrs).map_err(|detail| Error::Decode {
+                            what: what.clone(),
+                            detail,
+                        })?)
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    /// The table's entries in this network namespace and its maximum (`nf_conntrack_count`,
+    /// `nf_conntrack_max`).
+    pub fn usage(&mut self) -> Result<TableUsage, Error> {
+        let seq = self.next_seq();
+        let what = "the conntrack table's usage".to_string();
+        self.send(&stats::usage_request(seq), &what)?;
+        loop {
+            for reply in self.recv(&what)? {
+                if reply.seq != seq {
+                    continue;
+                }
+                match reply.kind {
+                    ReplyKind::Nack(code) => return Err(kernel_error(&what, code)),
+                    ReplyKind::Stats(_, attrs) => {
+                        return stats::parse_usage(&attrs).map_err(|detail| Error::Decode { what, detail });
+                    }
+                    ReplyKind::Done => {
+                        return Err(Error::Decode {
+                            what,
+                            detail: "no answer before NLMSG_DONE".into(),
+                        });
+                    }
+                    _ => {}
                 }
             }
         }
@@ -632,6 +739,14 @@ mod tests {
         bytes
     }
 
+    fn udp(flow: Flow) -> Tracked {
+        Tracked {
+            protocol: IPPROTO_UDP,
+            flow,
+            tcp_state: None,
+        }
+    }
+
     #[test]
     fn parse_kernel_dump_messages() {
         let replies = parse_replies(KERNEL_FLOW_V4).expect("kernel bytes");
@@ -650,7 +765,7 @@ mod tests {
             vec![Reply {
                 seq: 7,
                 flags: 0x22,
-                kind: ReplyKind::Flow(Ok(Some(expected_v4)))
+                kind: ReplyKind::Flow(Ok(Some(udp(expected_v4))))
             }]
         );
 
@@ -670,7 +785,7 @@ mod tests {
             vec![Reply {
                 seq: 7,
                 flags: 0x22,
-                kind: ReplyKind::Flow(Ok(Some(expected_v6)))
+                kind: ReplyKind::Flow(Ok(Some(udp(expected_v6))))
             }]
         );
     }
@@ -735,12 +850,20 @@ mod tests {
     }
 
     #[test]
-    fn parse_skips_non_udp_flows() {
+    fn parse_keeps_tcp_entries_apart_from_udp_flows() {
         // The same flow as TCP: orig and reply CTA_PROTO_NUM become 6.
         let mut tcp = KERNEL_FLOW_V4.to_vec();
         assert_eq!((tcp[52], tcp[104]), (17, 17));
         tcp[52] = 6;
         tcp[104] = 6;
+        let ReplyKind::Flow(Ok(Some(t))) = &parse_replies(&tcp).expect("kernel bytes")[0].kind else {
+            panic!("a TCP entry");
+        };
+        assert_eq!(t.protocol, IPPROTO_TCP);
+        assert_eq!(decode_flow(&tcp), Ok(None), "not a UDP flow");
+        // ICMP (1) has no ports: not an entry we count.
+        tcp[52] = 1;
+        tcp[104] = 1;
         assert_eq!(
             parse_replies(&tcp).expect("kernel bytes")[0].kind,
             ReplyKind::Flow(Ok(None))

@@ -17,16 +17,19 @@
 //! caller's business; this module only knows flows, service frontends and serving endpoints.
 //!
 //! Submodules: `cleanup` (pure: flows, services, the table trait and its fake), `ctnetlink`
-//! (the kernel's table), `sysctl`. Everything is used through the re-exports here.
+//! (the kernel's table: flows of every protocol with ports, statistics), `stats` (what
+//! `kube-proxy explain` reads besides flows: `conntrack -S` and the table's usage), `sysctl`. Everything is used through the re-exports here.
 
 mod cleanup;
 mod ctnetlink;
+mod stats;
 mod sysctl;
 #[cfg(test)]
 mod testing;
 
 pub use cleanup::{ConntrackTable, Error, Fake, Flow, UdpServices, clean_stale_entries, stale_flows};
 pub use ctnetlink::{Dump, Netlink};
+pub use stats::{Statistics, TCP_ESTABLISHED, TableUsage, Tracked};
 pub use sysctl::{
     ConntrackConfig, HASHSIZE_PATH, apply_sysctls, apply_sysctls_and_hashsize, conntrack_max, detect_num_cpus,
 };

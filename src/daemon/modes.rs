@@ -172,3 +172,40 @@ pub fn cleanup_all() -> Vec<String> {
     errors.extend(remove_nftables_mode());
     errors
 }
+
+/// What the proxy modes other than `mode` left on this node, each as `(mode, what)`: the
+/// nftables `kube-proxy` tables, iptables mode's own chains, IPVS mode's `kube-ipvs0` and its
+/// iptables chain (its virtual servers may be someone else's: they are not counted). For
+/// `kube-proxy explain`; nothing is changed.
+pub fn other_modes_present(mode: ProxyMode) -> Vec<(ProxyMode, String)> {
+    let mut found = Vec::new();
+    if mode != ProxyMode::Nftables {
+        for family in [IpFamily::V4, IpFamily::V6] {
+            if nft::table_exists(family) {
+                let keyword = crate::nftables::ast::family_keyword(family);
+                found.push((ProxyMode::Nftables, format!("table {keyword} kube-proxy")));
+            }
+        }
+    }
+    if mode != ProxyMode::Iptables {
+        for family in families(ProxyMode::Iptables) {
+            if iptables_mode_present(&mut Exec::new(family)) {
+                found.push((
+                    ProxyMode::Iptables,
+                    format!("{family} chains KUBE-NODEPORTS/KUBE-PROXY-CANARY"),
+                ));
+            }
+        }
+    }
+    if mode != ProxyMode::Ipvs {
+        if HostExec.link_exists(crate::ipvs::names::DUMMY_DEVICE).unwrap_or(false) {
+            found.push((ProxyMode::Ipvs, format!("link {}", crate::ipvs::names::DUMMY_DEVICE)));
+        }
+        for family in families(ProxyMode::Ipvs) {
+            if crate::ipvs::cleanup::iptables_state_present(&mut Exec::new(family)) {
+                found.push((ProxyMode::Ipvs, format!("{family} chain filter KUBE-IPVS-FILTER")));
+            }
+        }
+    }
+    found
+}

@@ -5,5 +5,10 @@
 //!
 //! - [`rules`]: the rules each mode programs for a port, and their comparison with the kernel's.
 //! - [`view`]: the desired state as `/debug/services` serves it (pure, both ways).
+pub mod diagnose;
+pub mod facts;
+pub mod gather;
+pub mod report;
+pub mod routes;
 pub mod rules;
 pub mod view;

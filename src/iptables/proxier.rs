@@ -568,15 +568,24 @@ impl<I: Iptables> Proxier for IptablesProxier<I> {
     }
 
     fn read_back(&mut self, port: &ServicePort) -> Result<Programmed, ReadBackError> {
-        let mut sections = Vec::new();
+        Ok(self.read_back_all(&[port])?.remove(0))
+    }
+
+    fn read_back_all(&mut self, ports: &[&ServicePort]) -> Result<Vec<Programmed>, ReadBackError> {
+        let mut tables = Vec::new();
         for table in ["filter", "nat"] {
             let saved = self.ipt.save_counters(table).map_err(|e| ReadBackError {
-                what: port.name.to_string(),
+                what: format!("the {table} table"),
                 message: e.to_string(),
             })?;
-            sections.extend(super::readback::service_port_sections(table, &saved, port));
+            tables.push(super::readback::SavedTable::parse(table, &saved));
         }
-        Ok(Programmed { sections })
+        Ok(ports
+            .iter()
+            .map(|port| Programmed {
+                sections: tables.iter().flat_map(|t| t.sections(port)).collect(),
+            })
+            .collect())
     }
 }
 

@@ -96,6 +96,36 @@ pub fn check_kernel(scheduler: &str) -> Result<(), KernelCheckError> {
     }
 }
 
+/// What [`check_kernel`] checks, without loading or adding anything (`kube-proxy explain`):
+/// IPVS is loaded (`/proc/net/ip_vs`), and the scheduler's module is loaded, built in, or on
+/// disk where `modprobe` (or the kernel's own module request) finds it.
+pub fn check_kernel_read_only(scheduler: &str) -> Result<(), KernelCheckError> {
+    if !std::path::Path::new("/proc/net/ip_vs").exists() {
+        return Err(KernelCheckError::NoIpvs);
+    }
+    let module = format!("ip_vs_{scheduler}");
+    if std::path::Path::new("/sys/module").join(&module).exists() {
+        return Ok(());
+    }
+    let dir = std::path::PathBuf::from(format!("/lib/modules/{}", kernel_release()));
+    let builtin = std::fs::read_to_string(dir.join("modules.builtin"))
+        .is_ok_and(|b| b.lines().any(|l| l.ends_with(&format!("/{module}.ko"))));
+    let dep = std::fs::read_to_string(dir.join("modules.dep")).unwrap_or_default();
+    let on_disk = dep
+        .lines()
+        .filter_map(|l| l.split(':').next())
+        .filter(|path| {
+            let file = path.rsplit('/').next().unwrap_or("");
+            file == format!("{module}.ko") || file.starts_with(&format!("{module}.ko."))
+        })
+        .any(|path| dir.join(path).exists());
+    if builtin || on_disk {
+        Ok(())
+    } else {
+        Err(KernelCheckError::NoScheduler(scheduler.to_string()))
+    }
+}
+
 /// The firewall mark of the scheduler probe.
 const PROBE_FWMARK: u32 = 0x7fff_fffe;
 

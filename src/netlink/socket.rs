@@ -4,7 +4,9 @@
 use std::io;
 
 use netlink_sys::Socket;
-use nix::libc::{MSG_DONTWAIT, c_int};
+use nix::libc::{MSG_DONTWAIT, MSG_TRUNC, c_int};
+
+use super::{NLM_F_DUMP_INTR, NLMSG_DONE, NLMSG_ERROR, messages, parse_error};
 
 /// Sends `bytes` as one datagram; a short send (the kernel took part of it) is an error.
 pub fn send(socket: &Socket, bytes: &[u8]) -> io::Result<()> {
@@ -36,6 +38,50 @@ pub fn drain(socket: &Socket, buf: &mut [u8], mut each: impl FnMut(&[u8])) -> io
             Ok(n) => each(&buf[..n.min(buf.len())]),
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
             Err(e) => return Err(e),
+        }
+    }
+}
+
+/// The data messages of a dump, each as `(type, whole message)`, and whether the kernel said
+/// the table changed while it walked it.
+#[derive(Debug, Default)]
+pub struct Dumped {
+    pub messages: Vec<(u16, Vec<u8>)>,
+    pub interrupted: bool,
+}
+
+/// Sends the dump request `request` (sequence number `seq`) and reads its parts until
+/// `NLMSG_DONE`; an `NLMSG_ERROR` with an errno, or a datagram that does not frame, is an
+/// error. Replies to other sequence numbers (left over from an earlier exchange) are skipped.
+pub fn dump(socket: &Socket, buf: &mut [u8], request: &[u8], seq: u32) -> io::Result<Dumped> {
+    drain(socket, buf, |_| {})?;
+    send(socket, request)?;
+    let mut out = Dumped::default();
+    loop {
+        let n = recv(socket, buf, MSG_TRUNC)?;
+        let data = buf
+            .get(..n)
+            .ok_or_else(|| io::Error::other(format!("netlink datagram of {n} bytes truncated to {}", buf.len())))?;
+        for m in messages(data) {
+            let m = m.map_err(|e| io::Error::other(e.to_string()))?;
+            if m.seq != seq {
+                continue;
+            }
+            out.interrupted |= m.flags & NLM_F_DUMP_INTR != 0;
+            match m.msg_type {
+                NLMSG_DONE => return Ok(out),
+                NLMSG_ERROR => {
+                    let e = parse_error(&m).map_err(|e| io::Error::other(e.to_string()))?;
+                    if e.errno != 0 {
+                        let os = io::Error::from_raw_os_error(e.errno.saturating_neg());
+                        return Err(match e.message {
+                            Some(text) => io::Error::new(os.kind(), format!("{os}: {text}")),
+                            None => os,
+                        });
+                    }
+                }
+                t => out.messages.push((t, m.bytes.to_vec())),
+            }
         }
     }
 }

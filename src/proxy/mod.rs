@@ -123,6 +123,12 @@ pub trait Proxier: Send {
 
     /// Reads back from the kernel what is programmed for `port` (`kube-proxy explain`).
     fn read_back(&mut self, port: &ServicePort) -> Result<Programmed, ReadBackError>;
+
+    /// [`Proxier::read_back`] of many ports at once (`kube-proxy explain --all`); a mode that
+    /// can read its rules once and pick every port's from them does so.
+    fn read_back_all(&mut self, ports: &[&ServicePort]) -> Result<Vec<Programmed>, ReadBackError> {
+        ports.iter().map(|p| self.read_back(p)).collect()
+    }
 }
 
 /// What one sync did, in the same terms in every mode.

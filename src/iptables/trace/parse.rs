@@ -341,7 +341,18 @@ pub fn canonical_rule(line: &str, table: &str) -> Option<String> {
     let parsed = parse_rule(&tokens[2..], IpFamily::V4, table)
         .or_else(|_| parse_rule(&tokens[2..], IpFamily::V6, table))
         .ok()?;
-    let mut matches: Vec<String> = parsed.matches.iter().map(|m| format!("{m:?}")).collect();
+    let mut matches: Vec<String> = parsed
+        .matches
+        .iter()
+        .map(|m| match m {
+            // The kernel keeps a probability as a 31-bit fraction (`0.3333333333` comes back
+            // as `0.33333333349`): compared as that fraction.
+            Match::Statistic { probability, .. } => {
+                format!("Statistic({})", (probability * f64::from(1u32 << 31)).round() as u64)
+            }
+            m => format!("{m:?}"),
+        })
+        .collect();
     matches.sort();
     Some(format!(
         "{chain} {:?} [{}] {:?}",
@@ -429,6 +440,14 @@ mod tests {
         assert_eq!(Some(&a), canonical_rule(saved, "nat").as_ref());
         assert_ne!(Some(&a), canonical_rule(other, "nat").as_ref());
         assert_eq!(canonical_rule("-A X -m nosuchmodule -j Y", "nat"), None);
+        let p = |x: &str| {
+            canonical_rule(
+                &format!("-A S -m statistic --mode random --probability {x} -j E"),
+                "nat",
+            )
+        };
+        assert_eq!(p("0.3333333333"), p("0.33333333349"), "as the kernel keeps it");
+        assert_ne!(p("0.3333333333"), p("0.5000000000"));
     }
 
     #[test]
