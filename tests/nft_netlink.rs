@@ -2,8 +2,8 @@
 //! namespaces (never the root namespace): the same transactions applied with `nft -f -` in one
 //! namespace and with `NftSocket` in another must list identically (`nft list table`); an
 //! invalid op must fail the whole batch and be named in the error; large batches must go
-//! through; and, where `strace` is installed, our messages must be nft's own message for
-//! message.
+//! through; a table read back over netlink is the model the transactions build; and, where
+//! `strace` is installed, our messages must be nft's own message for message.
 
 mod common;
 #[path = "support/nft_shapes.rs"]
@@ -20,7 +20,8 @@ use common::{nft_family, nft_options, numbered};
 use kube_proxy::lab::netns::Netns;
 use kube_proxy::model::{IpFamily, Protocol, ProxyState};
 use kube_proxy::nftables::ast::*;
-use kube_proxy::nftables::netlink::{AnonSetNames, NetlinkError, NftSocket, encode_with};
+use kube_proxy::nftables::netlink::{AnonSetNames, NetlinkError, NftSocket, ReadScope, encode_with};
+use kube_proxy::nftables::readback::canonical_line;
 use kube_proxy::nftables::render::render_tx;
 use kube_proxy::proxy::RenderOptions;
 use shapes::*;
@@ -339,6 +340,81 @@ fn every_scenario_lists_identically_both_ways() {
     }
 }
 
+/// Applies `txs` over netlink, then reads the table back over netlink (whole, and one chain
+/// and map at a time): the model the transactions build, rule for rule (sets' items in one
+/// order: the kernel keeps no order), and no rule left undecoded.
+fn reads_back_as_built(what: &str, txs: &[Transaction]) {
+    let ns = netns("read");
+    let mut sock = socket_in(&ns);
+    let family = txs[0].family;
+    let mut want = kube_proxy::nftables::ruleset::Ruleset::new(family);
+    for tx in txs {
+        sock.apply(tx).unwrap_or_else(|e| panic!("{what}: {e}"));
+        want.apply_all(&tx.ops).expect("the model applies it");
+    }
+    let (got, undecoded) = in_netns(ns.name(), || {
+        let mut s = NftSocket::new().expect("socket");
+        s.read(family, &ReadScope::Whole)
+    })
+    .unwrap_or_else(|e| panic!("{what}: reading back: {e}"))
+    .unwrap_or_else(|| panic!("{what}: no table"));
+    assert_eq!(undecoded, vec![], "{what}");
+    let lines = |r: &kube_proxy::nftables::ruleset::Ruleset, chain: &str| -> Vec<String> {
+        r.chains[chain]
+            .rules
+            .iter()
+            .map(|x| canonical_line(&x.text(family)))
+            .collect()
+    };
+    assert_eq!(
+        got.chains.keys().collect::<Vec<_>>(),
+        want.chains.keys().collect::<Vec<_>>(),
+        "{what}"
+    );
+    for name in want.chains.keys() {
+        assert_eq!(lines(&got, name), lines(&want, name), "{what}: chain {name}");
+        assert_eq!(got.chains[name].decl, want.chains[name].decl, "{what}: chain {name}");
+    }
+    assert_eq!(
+        got.sets.keys().collect::<Vec<_>>(),
+        want.sets.keys().collect::<Vec<_>>(),
+        "{what}"
+    );
+    for (name, set) in &want.sets {
+        assert_eq!(got.sets[name].decl, set.decl, "{what}: set {name}");
+        // Elements of timeout sets are the kernel's own (affinity entries); none here.
+        assert_eq!(got.sets[name].elements, set.elements, "{what}: set {name}");
+    }
+    // One chain and one map alone.
+    if let (Some(chain), Some(map)) = (
+        want.chains.keys().find(|c| !want.chains[*c].rules.is_empty()),
+        want.sets.keys().next(),
+    ) {
+        let scope = ReadScope::Some {
+            chains: vec![chain.clone(), "no-such-chain".into()],
+            maps: vec![map.clone()],
+        };
+        let (some, _) = in_netns(ns.name(), || NftSocket::new().expect("socket").read(family, &scope))
+            .expect("reads")
+            .expect("a table");
+        assert_eq!(some.chains.keys().collect::<Vec<_>>(), vec![chain], "{what}");
+        assert_eq!(lines(&some, chain), lines(&want, chain), "{what}: chain {chain}");
+        assert_eq!(some.sets[map].elements, want.sets[map].elements, "{what}: set {map}");
+    }
+}
+
+fn every_scenario_reads_back_over_netlink() {
+    for family in [IpFamily::V4, IpFamily::V6] {
+        reads_back_as_built(
+            &format!("every shape, {family}"),
+            &[shapes_setup(family, 50), shapes_update(family)],
+        );
+    }
+    for (name, state, opts) in scenario_cases() {
+        reads_back_as_built(&format!("scenario {name}"), &[render_tx(&state, &opts, true)]);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Message for message against nft (needs strace)
 // ---------------------------------------------------------------------------------------------
@@ -537,6 +613,7 @@ common::harness::main! {
         every_shape_lists_identically_both_ways,
         an_invalid_op_fails_the_whole_batch_and_is_named,
         a_large_batch_goes_in_one_send,
-        every_scenario_lists_identically_both_ways;
+        every_scenario_lists_identically_both_ways,
+        every_scenario_reads_back_over_netlink;
     &[Root, Tool("ip"), Tool("nft"), Tool("strace")] => same_messages_as_nft;
 }

@@ -119,7 +119,7 @@ pub struct RuleDiff {
 /// What two lines must share to be the same rule, per mode: iptables rules compared by their
 /// parsed matches and target (`iptables-save` orders and spells options its own way, and
 /// prefixes counters), IPVS real servers without their connection counts, nftables rules as
-/// they are (both sides print the same model).
+/// the model prints them with their sets' items in one order.
 pub fn canonical(mode: ProxyMode, place: &str, line: &str) -> String {
     match mode {
         ProxyMode::Iptables => {
@@ -127,7 +127,7 @@ pub fn canonical(mode: ProxyMode, place: &str, line: &str) -> String {
             crate::iptables::trace::canonical_rule(line, table).unwrap_or_else(|| line.to_string())
         }
         ProxyMode::Ipvs => line.split(" active ").next().unwrap_or(line).to_string(),
-        ProxyMode::Nftables => line.to_string(),
+        ProxyMode::Nftables => crate::nftables::readback::canonical_line(line),
     }
 }
 

@@ -20,8 +20,10 @@ mod socket;
 pub(crate) mod testing;
 
 pub use msg::MsgBuf;
-pub use parse::{Attrs, ErrorReply, RawMsg, messages, parse_error, read_i32, read_u16, read_u32, split_messages};
-pub use socket::{Dumped, drain, dump, recv, send};
+pub use parse::{
+    Attrs, ErrorReply, RawMsg, attributes_of, messages, parse_error, read_i32, read_u16, read_u32, split_messages,
+};
+pub use socket::{Dumped, drain, dump, get, recv, send};
 
 /// Netlink header flags (`linux/netlink.h`).
 pub const NLM_F_REQUEST: u16 = 0x1;

@@ -160,6 +160,12 @@ impl<'a> Attrs<'a> {
     }
 }
 
+/// Every attribute of a run in order, duplicates kept (a nest of list elements), or `None`
+/// when one does not fit.
+pub fn attributes_of(b: &[u8]) -> Option<Vec<(u16, &[u8])>> {
+    attributes(b).collect::<Result<_, _>>().ok()
+}
+
 fn until_nul(v: &[u8]) -> &[u8] {
     v.split(|&c| c == 0).next().unwrap_or_default()
 }

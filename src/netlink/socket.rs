@@ -85,3 +85,31 @@ pub fn dump(socket: &Socket, buf: &mut [u8], request: &[u8], seq: u32) -> io::Re
         }
     }
 }
+
+/// Sends the request `request` (sequence number `seq`, not a dump) and returns the one data
+/// message the kernel answers with; `None` when it answers ENOENT (no such object).
+pub fn get(socket: &Socket, buf: &mut [u8], request: &[u8], seq: u32) -> io::Result<Option<Vec<u8>>> {
+    drain(socket, buf, |_| {})?;
+    send(socket, request)?;
+    loop {
+        let n = recv(socket, buf, MSG_TRUNC)?;
+        let data = buf
+            .get(..n)
+            .ok_or_else(|| io::Error::other(format!("netlink datagram of {n} bytes truncated to {}", buf.len())))?;
+        for m in messages(data) {
+            let m = m.map_err(|e| io::Error::other(e.to_string()))?;
+            if m.seq != seq {
+                continue;
+            }
+            if m.msg_type != NLMSG_ERROR {
+                return Ok(Some(m.bytes.to_vec()));
+            }
+            let e = parse_error(&m).map_err(|e| io::Error::other(e.to_string()))?;
+            match e.errno.saturating_neg() {
+                0 => return Ok(None),
+                errno if errno == nix::libc::ENOENT => return Ok(None),
+                errno => return Err(io::Error::from_raw_os_error(errno)),
+            }
+        }
+    }
+}

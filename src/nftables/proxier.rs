@@ -20,15 +20,15 @@ use std::time::{Duration, Instant};
 
 use super::ast::{ElemKey, Element, Op, Rule, SetDecl, Transaction, family_keyword};
 use super::names::TABLE;
-use super::readback::{self, NftObject};
+use super::netlink::ReadScope;
+use super::netlink::decode::Undecoded;
+use super::readback;
 use super::render::ServiceRenderer;
 use super::ruleset::Ruleset;
 use crate::config::ProxyMode;
 use crate::exec;
 use crate::model::{IpFamily, Protocol, ProxyState, ServicePort, ServicePortName, ServicePortState};
-use crate::proxy::{
-    Programmed, ProgrammedSection, Proxier, ReadBackError, RenderOptions, SyncContext, SyncError, SyncReport,
-};
+use crate::proxy::{Programmed, Proxier, ReadBackError, RenderOptions, SyncContext, SyncError, SyncReport};
 
 /// Chains flushed by a sync are deleted by the first sync at least this much later.
 pub const STALE_CHAIN_DELAY: Duration = Duration::from_secs(1);
@@ -56,12 +56,17 @@ pub trait NftBackend: Send {
     fn apply(&mut self, tx: &Transaction) -> Result<(), NftError>;
     /// Whether the family's `kube-proxy` table exists.
     fn table_exists(&mut self, family: IpFamily) -> Result<bool, NftError>;
-    /// One chain or map of the family's table as `nft list` prints it; `None` when the table
-    /// has no such object. (Netlink dumps are not decoded yet: this asks `nft`.)
-    fn list(&mut self, family: IpFamily, object: &NftObject) -> Result<Option<String>, NftError> {
-        nft_list(family, object)
+    /// The family's table as the kernel holds it, read back over netlink (whole, or some
+    /// chains and maps): the model and the rules that are not of kube-proxy's shapes; `None`
+    /// when the table does not exist.
+    fn read(&mut self, family: IpFamily, scope: &ReadScope) -> Result<Option<ReadTable>, NftError> {
+        let mut socket = super::netlink::NftSocket::new().map_err(|e| NftError(format!("opening netlink: {e}")))?;
+        NftBackend::read(&mut socket, family, scope)
     }
 }
+
+/// A table read back: its model, and the rules it holds that kube-proxy did not write.
+pub type ReadTable = (Ruleset, Vec<Undecoded>);
 
 /// The `nft` command: each transaction is piped to `nft -f -`.
 #[derive(Debug, Default)]
@@ -103,6 +108,11 @@ impl NftBackend for super::netlink::NftSocket {
     fn table_exists(&mut self, family: IpFamily) -> Result<bool, NftError> {
         super::netlink::NftSocket::table_exists(self, family).map_err(|e| NftError(format!("listing tables: {e}")))
     }
+
+    fn read(&mut self, family: IpFamily, scope: &ReadScope) -> Result<Option<ReadTable>, NftError> {
+        super::netlink::NftSocket::read(self, family, scope)
+            .map_err(|e| NftError(format!("reading the {} {TABLE} table: {e}", family_keyword(family))))
+    }
 }
 
 /// A backend that records transactions and applies them to a model of the kernel's table,
@@ -138,57 +148,13 @@ impl NftBackend for RecordingBackend {
         Ok(self.recorded().tables.get(&family).is_some_and(|t| t.exists))
     }
 
-    /// The recorded table, printed the way `nft list` frames it.
-    fn list(&mut self, family: IpFamily, object: &NftObject) -> Result<Option<String>, NftError> {
+    /// The recorded table (every rule is one of ours).
+    fn read(&mut self, family: IpFamily, _scope: &ReadScope) -> Result<Option<ReadTable>, NftError> {
         let r = self.recorded();
-        let Some(table) = r.tables.get(&family).filter(|t| t.exists) else {
-            return Ok(None);
-        };
-        let f = family_keyword(family);
-        let body = match object {
-            NftObject::Chain(name) => {
-                let Some(chain) = table.chains.get(name) else {
-                    return Ok(None);
-                };
-                let rules: Vec<String> = chain
-                    .rules
-                    .iter()
-                    .map(|r| format!("\t\t{}\n", r.text(family)))
-                    .collect();
-                format!("\tchain {name} {{\n{}\t}}\n", rules.concat())
-            }
-            NftObject::Map(name) => {
-                let Some(set) = table.sets.get(name) else {
-                    return Ok(None);
-                };
-                let elements: Vec<String> = set
-                    .elements
-                    .values()
-                    .map(|e| match &e.value {
-                        Some(v) => format!("{} : {v}", e.key),
-                        None => e.key.to_string(),
-                    })
-                    .collect();
-                format!("\tmap {name} {{\n\t\telements = {{ {} }}\n\t}}\n", elements.join(", "))
-            }
-        };
-        Ok(Some(format!("table {f} {TABLE} {{\n{body}}}\n")))
-    }
-}
-
-/// `nft list chain|map FAMILY kube-proxy NAME`; `None` when it does not exist.
-pub fn nft_list(family: IpFamily, object: &NftObject) -> Result<Option<String>, NftError> {
-    let args = ["list", object.kind(), family_keyword(family), TABLE, object.name()];
-    match exec::run("nft", &args, None) {
-        Ok(listing) => Ok(Some(listing)),
-        Err(exec::Error::Failed { stderr, .. }) if stderr.contains("No such file or directory") => Ok(None),
-        Err(exec::Error::Failed { stderr, .. }) => Err(NftError(format!(
-            "nft list {} {}: {}",
-            object.kind(),
-            object.name(),
-            stderr.trim()
-        ))),
-        Err(exec::Error::Spawn { source, .. }) => Err(NftError(format!("running nft: {source}"))),
+        Ok(r.tables
+            .get(&family)
+            .filter(|t| t.exists)
+            .map(|t| (t.clone(), Vec::new())))
     }
 }
 
@@ -723,53 +689,64 @@ impl Proxier for NftProxier {
     }
 
     fn read_back(&mut self, port: &ServicePort) -> Result<Programmed, ReadBackError> {
-        let family = self.family;
         let err = |e: NftError| ReadBackError {
             what: port.name.to_string(),
             message: e.to_string(),
         };
-        let place = |kind: &str, name: &str| format!("{} {TABLE} {kind} {name}", family_keyword(family));
-        let mut sections = Vec::new();
-        let mut chains = readback::own_chains(port);
-        let mut i = 0;
-        while i < chains.len() {
-            let object = NftObject::Chain(chains[i].clone());
-            i += 1;
-            let Some(listing) = self.backend.list(family, &object).map_err(err)? else {
-                continue;
+        // The port's own chains and maps first, then the endpoint chains they lead to.
+        let maps: Vec<String> = readback::DISPATCH_MAPS.iter().map(|m| m.to_string()).collect();
+        let scope = ReadScope::Some {
+            chains: readback::own_chains(port),
+            maps: maps.clone(),
+        };
+        let Some((first, mut foreign)) = self.backend.read(self.family, &scope).map_err(err)? else {
+            return Ok(Programmed::default());
+        };
+        let endpoints: Vec<String> = readback::sections(&first, port)
+            .iter()
+            .flat_map(|s| s.lines.iter())
+            .flat_map(|l| readback::endpoint_chains(std::slice::from_ref(l)))
+            .collect();
+        let mut table = first;
+        if !endpoints.is_empty() {
+            let scope = ReadScope::Some {
+                chains: endpoints,
+                maps: Vec::new(),
             };
-            let lines = readback::chain_lines(&listing);
-            for ep in readback::endpoint_chains(&lines) {
-                if !chains.contains(&ep) {
-                    chains.push(ep);
-                }
-            }
-            sections.push(ProgrammedSection {
-                place: place("chain", object.name()),
-                lines,
-            });
-        }
-        for map in readback::DISPATCH_MAPS {
-            let Some(listing) = self
-                .backend
-                .list(family, &NftObject::Map(map.to_string()))
-                .map_err(err)?
-            else {
-                continue;
-            };
-            let lines: Vec<String> = readback::map_elements(&listing)
-                .into_iter()
-                .filter(|e| readback::element_of(e, port, &chains))
-                .collect();
-            if !lines.is_empty() {
-                sections.push(ProgrammedSection {
-                    place: place("map", map),
-                    lines,
-                });
+            if let Some((more, f)) = self.backend.read(self.family, &scope).map_err(err)? {
+                table.chains.extend(more.chains);
+                foreign.extend(f);
             }
         }
-        Ok(Programmed { sections })
+        Ok(programmed(&table, &foreign, port))
     }
+
+    fn read_back_all(&mut self, ports: &[&ServicePort]) -> Result<Vec<Programmed>, ReadBackError> {
+        let table = self
+            .backend
+            .read(self.family, &ReadScope::Whole)
+            .map_err(|e| ReadBackError {
+                what: format!("the {} {TABLE} table", family_keyword(self.family)),
+                message: e.to_string(),
+            })?;
+        Ok(match table {
+            Some((table, foreign)) => ports.iter().map(|p| programmed(&table, &foreign, p)).collect(),
+            None => vec![Programmed::default(); ports.len()],
+        })
+    }
+}
+
+/// The port's sections of a table read back, with the rules of its chains that kube-proxy
+/// did not write (as their expressions).
+fn programmed(table: &Ruleset, foreign: &[Undecoded], port: &ServicePort) -> Programmed {
+    let mut sections = readback::sections(table, port);
+    for s in &mut sections {
+        let chain = s.place.rsplit(' ').next().unwrap_or_default();
+        for u in foreign.iter().filter(|u| u.chain == chain) {
+            s.lines.push(format!("<not written by kube-proxy: {}>", u.exprs));
+        }
+    }
+    Programmed { sections }
 }
 
 #[cfg(test)]
@@ -816,6 +793,35 @@ mod tests {
         r.chains
             .retain(|name, c| !c.rules.is_empty() || referenced.contains(name) || c.decl.base.is_some());
         r
+    }
+
+    #[test]
+    fn read_back_gives_each_ports_chains_and_elements() {
+        let (mut p, _rec) = proxier();
+        let st = state(vec![
+            port("ns", "a", 1, Protocol::Tcp, &[1, 2]),
+            port("ns", "b", 2, Protocol::Udp, &[3]),
+        ]);
+        Proxier::sync_full(&mut p, &st).expect("syncs");
+        let a = &st.service_ports[0].port;
+        let one = p.read_back(a).expect("reads");
+        let text: Vec<&String> = one.sections.iter().flat_map(|s| &s.lines).collect();
+        assert!(text.iter().any(|l| l.contains("dnat to 10.244.1.2:8080")), "{text:#?}");
+        assert!(
+            text.iter()
+                .any(|l| l.starts_with("10.96.0.1 . tcp . 80 : goto service-")),
+            "{text:#?}"
+        );
+        assert!(!text.iter().any(|l| l.contains("10.244.1.3")), "not b's: {text:#?}");
+        let all = p.read_back_all(&[a, &st.service_ports[1].port]).expect("reads");
+        assert_eq!(all[0], one, "one at a time or all at once, the same");
+        assert!(
+            all[1]
+                .sections
+                .iter()
+                .flat_map(|s| &s.lines)
+                .any(|l| l.contains("10.244.1.3:8080"))
+        );
     }
 
     #[test]

@@ -1,7 +1,8 @@
-//! Reading back one service port's objects from the `kube-proxy` table: its chains (and the
-//! endpoint chains they lead to) and its elements in the dispatch maps, as `nft list` prints
-//! them. The listing itself is the backend's ([`super::proxier::NftBackend::list`]); what to
-//! list and how to pick the port's lines out of a listing is here, pure.
+//! One service port's objects in a model of the `kube-proxy` table (rendered, or read back
+//! from the kernel over netlink by [`super::proxier::NftBackend::read`]): its chains and the
+//! endpoint chains they lead to, with their rules in knftables' text, and its elements in the
+//! dispatch maps. Which chains and maps to read, and how to pick the port's part, is here,
+//! pure; and the form in which two rule lines compare.
 
 use super::ast::{ElemKey, family_keyword};
 use super::names::TABLE;
@@ -12,29 +13,6 @@ use super::names::{
 use super::ruleset::Ruleset;
 use crate::model::ServicePort;
 use crate::proxy::ProgrammedSection;
-
-/// An object of the table that `nft list` can print.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum NftObject {
-    Chain(String),
-    Map(String),
-}
-
-impl NftObject {
-    /// `chain NAME` / `map NAME`, as `nft list` takes it.
-    pub fn kind(&self) -> &'static str {
-        match self {
-            NftObject::Chain(_) => "chain",
-            NftObject::Map(_) => "map",
-        }
-    }
-
-    pub fn name(&self) -> &str {
-        match self {
-            NftObject::Chain(n) | NftObject::Map(n) => n,
-        }
-    }
-}
 
 /// The maps whose elements lead to a service port's chains or verdicts.
 pub const DISPATCH_MAPS: [&str; 5] = [
@@ -49,16 +27,6 @@ pub fn own_chains(port: &ServicePort) -> Vec<String> {
     vec![c.cluster, c.local, c.external, c.firewall]
 }
 
-/// The rule lines of a `nft list chain` output (without the table and chain framing).
-pub fn chain_lines(listing: &str) -> Vec<String> {
-    listing
-        .lines()
-        .map(str::trim)
-        .filter(|l| !l.is_empty() && *l != "}" && !l.starts_with("table ") && !l.starts_with("chain "))
-        .map(str::to_string)
-        .collect()
-}
-
 /// The endpoint chains that rule lines jump or go to.
 pub fn endpoint_chains(lines: &[String]) -> Vec<String> {
     let mut out: Vec<String> = Vec::new();
@@ -70,35 +38,48 @@ pub fn endpoint_chains(lines: &[String]) -> Vec<String> {
     out
 }
 
-/// The elements (`key : verdict`) of a `nft list map` output.
-pub fn map_elements(listing: &str) -> Vec<String> {
-    let Some(start) = listing.find("elements = {") else {
-        return Vec::new();
-    };
-    let body = &listing[start + "elements = {".len()..];
-    let body = body.split('}').next().unwrap_or("");
-    body.split(',')
-        .map(|e| e.split_whitespace().collect::<Vec<_>>().join(" "))
-        .filter(|e| !e.is_empty())
-        .collect()
-}
-
-/// Whether a map element belongs to `port`: its key is one of the port's addresses and ports,
-/// or its verdict leads to one of the port's chains.
-pub fn element_of(element: &str, port: &ServicePort, chains: &[String]) -> bool {
-    let (key, verdict) = element.split_once(" : ").unwrap_or((element, ""));
-    if verdict.split_whitespace().any(|w| chains.iter().any(|c| c == w)) {
-        return true;
+/// A rule line with the items of its anonymous sets merged, sorted and spaced one way
+/// (`{ a,b }`, a single item bare): the kernel keeps a set's intervals, not the order, the
+/// spacing or the braces they were written with.
+pub fn canonical_line(line: &str) -> String {
+    let mut out = String::new();
+    let mut rest = line;
+    while let Some(start) = rest.find("{ ") {
+        let Some(len) = rest[start..].find(" }") else {
+            break;
+        };
+        out.push_str(&rest[..start]);
+        let inner = &rest[start + 2..start + len];
+        let mut items: Vec<String> = inner.split(',').map(|i| i.trim().to_string()).collect();
+        let nets: Option<Vec<ipnet::IpNet>> = items
+            .iter()
+            .map(|i| {
+                i.parse::<ipnet::IpNet>()
+                    .ok()
+                    .or_else(|| i.parse::<std::net::IpAddr>().ok().map(Into::into))
+            })
+            .collect();
+        // Addresses as the fewest CIDRs (the kernel keeps merged intervals); a verdict map's
+        // entries (`0 : goto a`) keep their order.
+        if let Some(nets) = nets {
+            items = ipnet::IpNet::aggregate(&nets)
+                .iter()
+                .map(super::ast::net_text)
+                .collect();
+            items.sort_unstable();
+        }
+        // `{ x }` is `x` (nft sends a one-item set as a comparison).
+        if items.len() == 1 && !inner.contains(" : ") {
+            out.push_str(&items[0]);
+        } else {
+            out.push_str("{ ");
+            out.push_str(&items.join(","));
+            out.push_str(" }");
+        }
+        rest = &rest[start + len + 2..];
     }
-    let proto = port.protocol.lower();
-    let addresses = std::iter::once(&port.cluster_ip)
-        .chain(&port.external_ips)
-        .chain(&port.load_balancer_vips);
-    let mut keys: Vec<String> = addresses.map(|ip| format!("{ip} . {proto} . {}", port.port)).collect();
-    if port.node_port != 0 {
-        keys.push(format!("{proto} . {}", port.node_port));
-    }
-    keys.iter().any(|k| k == key.trim())
+    out.push_str(rest);
+    out
 }
 
 /// The keys of `port`'s elements in the dispatch maps: each of its addresses with its
@@ -185,27 +166,57 @@ mod tests {
     }
 
     #[test]
+    fn set_items_compare_in_any_order_and_spacing() {
+        let a = canonical_line("ip saddr != { 198.51.100.0/24 , 192.0.2.0/25 } drop");
+        assert_eq!(a, canonical_line("ip saddr != { 192.0.2.0/25,198.51.100.0/24 } drop"));
+        assert_eq!(a, "ip saddr != { 192.0.2.0/25,198.51.100.0/24 } drop");
+        let m = "numgen random mod 2 vmap { 0 : goto b , 1 : goto a }";
+        assert_eq!(canonical_line(m), "numgen random mod 2 vmap { 0 : goto b,1 : goto a }");
+        assert_eq!(
+            canonical_line("ip saddr { 10.0.0.1 , 10.0.0.0 , 10.9.0.0/16 }"),
+            canonical_line("ip saddr { 10.0.0.0/31,10.9.0.0/16 }"),
+            "adjacent items merge as the kernel's intervals do"
+        );
+        assert_eq!(
+            canonical_line("ip saddr != { 10.0.0.0/8 } drop"),
+            "ip saddr != 10.0.0.0/8 drop"
+        );
+    }
+
+    #[test]
     fn picks_the_ports_elements_and_endpoint_chains() {
         let port = web();
-        let chains = own_chains(&port);
-        let listing = format!(
-            "table ip kube-proxy {{\n\tmap service-ips {{\n\t\ttype ipv4_addr . inet_proto . inet_service : verdict\n\t\t\
-             elements = {{ 10.96.165.10 . tcp . 80 : goto {},\n\t\t\t     10.96.0.1 . tcp . 443 : goto service-X }}\n\t}}\n}}\n",
-            chains[0]
+        let mut sps = crate::model::testing::port("default", "web", 10, Protocol::Tcp, &[1, 2]);
+        sps.port = port.clone();
+        let other = crate::model::testing::port("default", "db", 11, Protocol::Tcp, &[3]);
+        let state = crate::model::testing::state(vec![sps, other], &[]);
+        let tx = super::super::render::render_tx(&state, &crate::proxy::RenderOptions::default(), true);
+        let table = Ruleset::from_transaction(&tx).expect("applies");
+        let sections = sections(&table, &port);
+        let places: Vec<&str> = sections.iter().map(|s| s.place.as_str()).collect();
+        assert!(places[0].starts_with("ip kube-proxy chain service-"), "{places:?}");
+        assert_eq!(
+            places.iter().filter(|p| p.contains("chain endpoint-")).count(),
+            2,
+            "{places:?}"
         );
-        let elements = map_elements(&listing);
-        assert_eq!(elements.len(), 2);
-        let ours: Vec<&String> = elements.iter().filter(|e| element_of(e, &port, &chains)).collect();
-        assert_eq!(ours.len(), 1);
-        assert!(ours[0].starts_with("10.96.165.10 . tcp . 80"));
+        let maps: Vec<&ProgrammedSection> = sections.iter().filter(|s| s.place.contains(" map ")).collect();
+        let elements: Vec<&String> = maps.iter().flat_map(|s| &s.lines).collect();
         assert!(
-            element_of("tcp . 32517 : goto external-Y", &port, &chains),
-            "by NodePort key"
+            elements
+                .iter()
+                .any(|e| e.starts_with("10.96.165.10 . tcp . 80 : goto service-")),
+            "{elements:?}"
         );
-
-        let chain = "table ip kube-proxy {\n\tchain service-A {\n\t\tnumgen random mod 2 vmap { 0 : goto endpoint-B, 1 : goto endpoint-C }\n\t}\n}\n";
-        let lines = chain_lines(chain);
-        assert_eq!(lines.len(), 1);
+        assert!(
+            elements.iter().any(|e| e.starts_with("tcp . 32517 : goto external-")),
+            "{elements:?}"
+        );
+        assert!(
+            !elements.iter().any(|e| e.contains("10.96.0.11")),
+            "not db's: {elements:?}"
+        );
+        let lines = vec!["numgen random mod 2 vmap { 0 : goto endpoint-B , 1 : goto endpoint-C }".to_string()];
         assert_eq!(endpoint_chains(&lines), vec!["endpoint-B", "endpoint-C"]);
     }
 }

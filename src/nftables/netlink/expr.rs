@@ -16,88 +16,88 @@ use crate::netlink::MsgBuf;
 use crate::nftables::ast::{AddrSpec, Dir, Match, Rule, Statement, Verdict, VmapKey};
 
 // Payload bases.
-const NFT_PAYLOAD_NETWORK_HEADER: u32 = 1;
-const NFT_PAYLOAD_TRANSPORT_HEADER: u32 = 2;
-const NFTA_PAYLOAD_DREG: u16 = 1;
-const NFTA_PAYLOAD_BASE: u16 = 2;
-const NFTA_PAYLOAD_OFFSET: u16 = 3;
-const NFTA_PAYLOAD_LEN: u16 = 4;
+pub(super) const NFT_PAYLOAD_NETWORK_HEADER: u32 = 1;
+pub(super) const NFT_PAYLOAD_TRANSPORT_HEADER: u32 = 2;
+pub(super) const NFTA_PAYLOAD_DREG: u16 = 1;
+pub(super) const NFTA_PAYLOAD_BASE: u16 = 2;
+pub(super) const NFTA_PAYLOAD_OFFSET: u16 = 3;
+pub(super) const NFTA_PAYLOAD_LEN: u16 = 4;
 
-const NFTA_CMP_SREG: u16 = 1;
-const NFTA_CMP_OP: u16 = 2;
-const NFTA_CMP_DATA: u16 = 3;
-const NFT_CMP_EQ: u32 = 0;
-const NFT_CMP_NEQ: u32 = 1;
+pub(super) const NFTA_CMP_SREG: u16 = 1;
+pub(super) const NFTA_CMP_OP: u16 = 2;
+pub(super) const NFTA_CMP_DATA: u16 = 3;
+pub(super) const NFT_CMP_EQ: u32 = 0;
+pub(super) const NFT_CMP_NEQ: u32 = 1;
 
-const NFTA_BITWISE_SREG: u16 = 1;
-const NFTA_BITWISE_DREG: u16 = 2;
-const NFTA_BITWISE_LEN: u16 = 3;
-const NFTA_BITWISE_MASK: u16 = 4;
-const NFTA_BITWISE_XOR: u16 = 5;
-const NFTA_BITWISE_OP: u16 = 6;
-const NFT_BITWISE_BOOL: u32 = 0;
+pub(super) const NFTA_BITWISE_SREG: u16 = 1;
+pub(super) const NFTA_BITWISE_DREG: u16 = 2;
+pub(super) const NFTA_BITWISE_LEN: u16 = 3;
+pub(super) const NFTA_BITWISE_MASK: u16 = 4;
+pub(super) const NFTA_BITWISE_XOR: u16 = 5;
+pub(super) const NFTA_BITWISE_OP: u16 = 6;
+pub(super) const NFT_BITWISE_BOOL: u32 = 0;
 
-const NFTA_META_DREG: u16 = 1;
-const NFTA_META_KEY: u16 = 2;
-const NFTA_META_SREG: u16 = 3;
-const NFT_META_MARK: u32 = 3;
-const NFT_META_IIFNAME: u32 = 6;
-const NFT_META_L4PROTO: u32 = 16;
+pub(super) const NFTA_META_DREG: u16 = 1;
+pub(super) const NFTA_META_KEY: u16 = 2;
+pub(super) const NFTA_META_SREG: u16 = 3;
+pub(super) const NFT_META_MARK: u32 = 3;
+pub(super) const NFT_META_IIFNAME: u32 = 6;
+pub(super) const NFT_META_L4PROTO: u32 = 16;
 
-const NFTA_CT_DREG: u16 = 1;
-const NFTA_CT_KEY: u16 = 2;
-const NFT_CT_STATE: u32 = 0;
+pub(super) const NFTA_CT_DREG: u16 = 1;
+pub(super) const NFTA_CT_KEY: u16 = 2;
+pub(super) const NFT_CT_STATE: u32 = 0;
 /// `NF_CT_STATE_BIT(IP_CT_NEW)`.
-const CT_STATE_NEW_BIT: u32 = 1 << 3;
+pub(super) const CT_STATE_NEW_BIT: u32 = 1 << 3;
 
-const NFTA_LOOKUP_SET: u16 = 1;
-const NFTA_LOOKUP_SREG: u16 = 2;
-const NFTA_LOOKUP_DREG: u16 = 3;
-const NFTA_LOOKUP_SET_ID: u16 = 4;
-const NFTA_LOOKUP_FLAGS: u16 = 5;
-const NFT_LOOKUP_F_INV: u32 = 1;
+pub(super) const NFTA_LOOKUP_SET: u16 = 1;
+pub(super) const NFTA_LOOKUP_SREG: u16 = 2;
+pub(super) const NFTA_LOOKUP_DREG: u16 = 3;
+pub(super) const NFTA_LOOKUP_SET_ID: u16 = 4;
+pub(super) const NFTA_LOOKUP_FLAGS: u16 = 5;
+pub(super) const NFT_LOOKUP_F_INV: u32 = 1;
 
-const NFTA_IMMEDIATE_DREG: u16 = 1;
-const NFTA_IMMEDIATE_DATA: u16 = 2;
+pub(super) const NFTA_IMMEDIATE_DREG: u16 = 1;
+pub(super) const NFTA_IMMEDIATE_DATA: u16 = 2;
 
-const NFTA_REJECT_TYPE: u16 = 1;
-const NFTA_REJECT_ICMP_CODE: u16 = 2;
-const NFT_REJECT_ICMP_UNREACH: u32 = 0;
+pub(super) const NFTA_REJECT_TYPE: u16 = 1;
+pub(super) const NFTA_REJECT_ICMP_CODE: u16 = 2;
+pub(super) const NFT_REJECT_ICMP_UNREACH: u32 = 0;
 /// ICMP_PORT_UNREACH / ICMPV6_PORT_UNREACH: what nft's plain `reject` sends per family.
-const ICMP_PORT_UNREACH: u8 = 3;
-const ICMPV6_PORT_UNREACH: u8 = 4;
+pub(super) const ICMP_PORT_UNREACH: u8 = 3;
+pub(super) const ICMPV6_PORT_UNREACH: u8 = 4;
 
-const NFTA_FIB_DREG: u16 = 1;
-const NFTA_FIB_RESULT: u16 = 2;
-const NFTA_FIB_FLAGS: u16 = 3;
-const NFTA_FIB_F_SADDR: u32 = 1;
-const NFTA_FIB_F_DADDR: u32 = 2;
-const NFT_FIB_RESULT_ADDRTYPE: u32 = 3;
+pub(super) const NFTA_FIB_DREG: u16 = 1;
+pub(super) const NFTA_FIB_RESULT: u16 = 2;
+pub(super) const NFTA_FIB_FLAGS: u16 = 3;
+pub(super) const NFTA_FIB_F_SADDR: u32 = 1;
+pub(super) const NFTA_FIB_F_DADDR: u32 = 2;
+pub(super) const NFT_FIB_RESULT_ADDRTYPE: u32 = 3;
 /// `RTN_LOCAL`, compared in host byte order as nft does.
-const RTN_LOCAL: u32 = 2;
+pub(super) const RTN_LOCAL: u32 = 2;
 
-const NFTA_NG_DREG: u16 = 1;
-const NFTA_NG_MODULUS: u16 = 2;
-const NFTA_NG_TYPE: u16 = 3;
-const NFTA_NG_OFFSET: u16 = 4;
-const NFT_NG_RANDOM: u32 = 1;
+pub(super) const NFTA_NG_DREG: u16 = 1;
+pub(super) const NFTA_NG_MODULUS: u16 = 2;
+pub(super) const NFTA_NG_TYPE: u16 = 3;
+pub(super) const NFTA_NG_OFFSET: u16 = 4;
+pub(super) const NFT_NG_RANDOM: u32 = 1;
 
-const NFTA_MASQ_FLAGS: u16 = 1;
-const NF_NAT_RANGE_PROTO_SPECIFIED: u32 = 0x2;
-const NF_NAT_RANGE_PROTO_RANDOM_FULLY: u32 = 0x10;
+pub(super) const NFTA_MASQ_FLAGS: u16 = 1;
+pub(super) const NF_NAT_RANGE_PROTO_SPECIFIED: u32 = 0x2;
+pub(super) const NF_NAT_RANGE_PROTO_RANDOM_FULLY: u32 = 0x10;
 
-const NFTA_NAT_TYPE: u16 = 1;
-const NFTA_NAT_FAMILY: u16 = 2;
-const NFTA_NAT_REG_ADDR_MIN: u16 = 3;
-const NFTA_NAT_REG_PROTO_MIN: u16 = 5;
-const NFTA_NAT_FLAGS: u16 = 7;
-const NFT_NAT_DNAT: u32 = 1;
+pub(super) const NFTA_NAT_TYPE: u16 = 1;
+pub(super) const NFTA_NAT_FAMILY: u16 = 2;
+pub(super) const NFTA_NAT_REG_ADDR_MIN: u16 = 3;
+pub(super) const NFTA_NAT_REG_PROTO_MIN: u16 = 5;
+pub(super) const NFTA_NAT_FLAGS: u16 = 7;
+pub(super) const NFT_NAT_DNAT: u32 = 1;
 
-const NFTA_DYNSET_SET_NAME: u16 = 1;
-const NFTA_DYNSET_SET_ID: u16 = 2;
-const NFTA_DYNSET_OP: u16 = 3;
-const NFTA_DYNSET_SREG_KEY: u16 = 4;
-const NFT_DYNSET_OP_UPDATE: u32 = 1;
+pub(super) const NFTA_DYNSET_SET_NAME: u16 = 1;
+pub(super) const NFTA_DYNSET_SET_ID: u16 = 2;
+pub(super) const NFTA_DYNSET_OP: u16 = 3;
+pub(super) const NFTA_DYNSET_SREG_KEY: u16 = 4;
+pub(super) const NFT_DYNSET_OP_UPDATE: u32 = 1;
 
 /// `IFNAMSIZ`: `meta iifname` loads (and an exact name compares) this many bytes.
 pub const IFNAMSIZ: usize = 16;
@@ -140,7 +140,7 @@ pub fn proto_number(p: Protocol) -> u8 {
 }
 
 /// Offset and length of the source/destination address in the network header.
-fn addr_field(family: IpFamily, dir: Dir) -> (u32, u32) {
+pub(super) fn addr_field(family: IpFamily, dir: Dir) -> (u32, u32) {
     match (family, dir) {
         (IpFamily::V4, Dir::Saddr) => (12, 4),
         (IpFamily::V4, Dir::Daddr) => (16, 4),

@@ -17,6 +17,7 @@
 //! [`crate::netlink`]'s), `expr` (rule expressions), `encode`
 //! (ops → messages, anonymous sets, validation), `socket`.
 
+pub mod decode;
 mod encode;
 mod expr;
 mod socket;
@@ -28,4 +29,4 @@ mod fixtures;
 pub use encode::{
     AnonSetNames, CheckError, EncodedBatch, MAX_COMMENT, check, encode, encode_with, key_bytes, with_process_names,
 };
-pub use socket::{NetlinkError, NftSocket, OpFailure, Reply, parse_replies};
+pub use socket::{NetlinkError, NftSocket, OpFailure, ReadScope, Reply, parse_replies};

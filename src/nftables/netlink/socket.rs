@@ -14,12 +14,14 @@ use netlink_sys::{Socket, SocketAddr as NlSocketAddr, protocols::NETLINK_NETFILT
 use nix::errno::Errno;
 use nix::sys::socket::{setsockopt, sockopt};
 
+use super::decode::{self, Undecoded};
 use super::encode::{self, AnonSetNames, CheckError, EncodedBatch};
 use super::wire::*;
 use crate::model::IpFamily;
 use crate::netlink::{self, MsgBuf, NLM_F_ACK, NLM_F_REQUEST, NLMSG_DONE, NLMSG_ERROR};
 use crate::nftables::ast::Transaction;
 use crate::nftables::names::TABLE;
+use crate::nftables::ruleset::Ruleset;
 
 /// Receive buffer to start with; raised for big batches (errors come one datagram per failed
 /// message).
@@ -315,6 +317,91 @@ impl NftSocket {
         netlink::send(&self.socket, bytes)
     }
 
+    /// A request of `msg` for the family's objects, with the attributes `put` adds.
+    fn request(&mut self, family: IpFamily, msg: u16, dump: bool, put: impl FnOnce(&mut MsgBuf)) -> (u32, Vec<u8>) {
+        self.seq = self.seq.wrapping_add(1);
+        let flags = if dump {
+            NLM_F_REQUEST | netlink::NLM_F_DUMP
+        } else {
+            NLM_F_REQUEST
+        };
+        let mut b = MsgBuf::default();
+        let m = b.begin_msg(nft_type(msg), flags, self.seq, &nfgenmsg(encode::nfproto(family), 0));
+        put(&mut b);
+        b.end_msg(m);
+        (self.seq, b.buf)
+    }
+
+    fn dump(&mut self, family: IpFamily, msg: u16, put: impl FnOnce(&mut MsgBuf)) -> io::Result<Vec<(u16, Vec<u8>)>> {
+        let (seq, req) = self.request(family, msg, true, put);
+        Ok(netlink::dump(&self.socket, &mut self.buf, &req, seq)?.messages)
+    }
+
+    /// Reads the family's `kube-proxy` table back: all of it, or only `chains` and `maps`
+    /// (with the anonymous sets their rules use). `None` when the table does not exist.
+    pub fn read(&mut self, family: IpFamily, scope: &ReadScope) -> io::Result<Option<(Ruleset, Vec<Undecoded>)>> {
+        if !self.table_exists(family)? {
+            return Ok(None);
+        }
+        let table = |b: &mut MsgBuf, ty| b.put_str(ty, TABLE);
+        let mut messages = vec![(nft_type(NFT_MSG_NEWTABLE), Vec::new())];
+        let sets = self.dump(family, NFT_MSG_GETSET, |b| table(b, NFTA_SET_TABLE))?;
+        let (chains, rules) = match scope {
+            ReadScope::Whole => {
+                let chains = self.dump(family, NFT_MSG_GETCHAIN, |b| table(b, NFTA_CHAIN_TABLE))?;
+                let rules = self.dump(family, NFT_MSG_GETRULE, |b| table(b, NFTA_RULE_TABLE))?;
+                (chains, rules)
+            }
+            ReadScope::Some { chains, .. } => {
+                let (mut found, mut rules) = (Vec::new(), Vec::new());
+                for name in chains {
+                    let (seq, req) = self.request(family, NFT_MSG_GETCHAIN, false, |b| {
+                        b.put_str(NFTA_CHAIN_TABLE, TABLE);
+                        b.put_str(NFTA_CHAIN_NAME, name);
+                    });
+                    if let Some(c) = netlink::get(&self.socket, &mut self.buf, &req, seq)? {
+                        found.push((nft_type(NFT_MSG_NEWCHAIN), c));
+                        rules.extend(self.dump(family, NFT_MSG_GETRULE, |b| {
+                            b.put_str(NFTA_RULE_TABLE, TABLE);
+                            b.put_str(NFTA_RULE_CHAIN, name);
+                        })?);
+                    }
+                }
+                (found, rules)
+            }
+        };
+        // Elements: of every set, or of the maps asked for and the rules' anonymous sets.
+        let wanted: Vec<String> = match scope {
+            ReadScope::Whole => sets
+                .iter()
+                .filter_map(|(_, m)| decode::set(m, family))
+                .map(|s| s.decl.name)
+                .collect(),
+            ReadScope::Some { maps, .. } => {
+                let mut w = maps.clone();
+                for (_, m) in &rules {
+                    w.extend(decode::rule(m).map(|r| r.sets()).unwrap_or_default());
+                }
+                w
+            }
+        };
+        let present: Vec<String> = sets
+            .iter()
+            .filter_map(|(_, m)| decode::set(m, family))
+            .map(|s| s.decl.name)
+            .collect();
+        messages.extend(chains);
+        messages.extend(sets);
+        for name in wanted.iter().filter(|n| present.contains(n)) {
+            messages.extend(self.dump(family, NFT_MSG_GETSETELEM, |b| {
+                b.put_str(NFTA_SET_ELEM_LIST_TABLE, TABLE);
+                b.put_str(NFTA_SET_ELEM_LIST_SET, name);
+            })?);
+        }
+        messages.extend(rules);
+        Ok(Some(decode::table(family, &messages)))
+    }
+
     /// Reads every queued datagram without blocking, handing each message to `each`.
     fn drain(&mut self, mut each: impl FnMut(Reply)) -> io::Result<()> {
         netlink::drain(&self.socket, &mut self.buf, |datagram| {
@@ -323,6 +410,17 @@ impl NftSocket {
             }
         })
     }
+}
+
+/// What [`NftSocket::read`] reads of the table.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ReadScope {
+    Whole,
+    /// These chains (their rules) and maps (their elements).
+    Some {
+        chains: Vec<String>,
+        maps: Vec<String>,
+    },
 }
 
 /// One netlink message of a reply.

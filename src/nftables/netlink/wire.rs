@@ -18,12 +18,16 @@ pub const NFT_MSG_NEWTABLE: u16 = 0;
 pub const NFT_MSG_GETTABLE: u16 = 1;
 pub const NFT_MSG_DELTABLE: u16 = 2;
 pub const NFT_MSG_NEWCHAIN: u16 = 3;
+pub const NFT_MSG_GETCHAIN: u16 = 4;
 pub const NFT_MSG_DELCHAIN: u16 = 5;
 pub const NFT_MSG_NEWRULE: u16 = 6;
+pub const NFT_MSG_GETRULE: u16 = 7;
 pub const NFT_MSG_DELRULE: u16 = 8;
 pub const NFT_MSG_NEWSET: u16 = 9;
+pub const NFT_MSG_GETSET: u16 = 10;
 pub const NFT_MSG_DELSET: u16 = 11;
 pub const NFT_MSG_NEWSETELEM: u16 = 12;
+pub const NFT_MSG_GETSETELEM: u16 = 13;
 pub const NFT_MSG_DELSETELEM: u16 = 14;
 
 /// The netlink message type of an nf_tables message.
