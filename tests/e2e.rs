@@ -13,19 +13,15 @@ use std::process::ExitCode;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use common::harness::{Requirement, Requirement::*, test};
-use common::{ManifestDir, wait_until};
-use kube_proxy::lab::netns::ChildGuard;
-use kube_proxy::lab::probe::{ProbeArgs, ProbeReport};
+use common::cluster::{BIN, Cluster, NEEDS, SYNC_PERIOD_S};
+use common::wait_until;
+use kube_proxy::lab::probe::ProbeArgs;
 use kube_proxy::lab::scenario::{Ep, ServiceSpec, manifests};
-use kube_proxy::lab::testbed::{Testbed, TestbedSpec};
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
-const BIN: &str = env!("CARGO_BIN_EXE_kube-proxy");
 const CLUSTER_IP: &str = "10.96.165.10";
 const NODE_PORT: u16 = 32517;
-const SYNC_PERIOD_S: u64 = 2;
 
 fn local(ip: IpAddr) -> Ep {
     Ep::local(ip)
@@ -35,108 +31,6 @@ fn web(eps: &[Ep]) -> String {
     let mut svc = ServiceSpec::new("web", CLUSTER_IP, eps);
     svc.node_port = Some(NODE_PORT);
     manifests(&[svc])
-}
-
-struct Cluster {
-    bed: Testbed,
-    dir: ManifestDir,
-    /// Holds the `--config` file of nftables mode (its sync periods have no flags upstream).
-    config: ManifestDir,
-    daemon: Option<ChildGuard>,
-    mode: &'static str,
-}
-
-impl Cluster {
-    fn start(tag: &str, endpoints: usize, manifests: impl Fn(&Testbed) -> String) -> Cluster {
-        Cluster::start_in("iptables", tag, endpoints, manifests)
-    }
-
-    /// A bed with the daemon running in proxy mode `mode`.
-    fn start_in(mode: &'static str, tag: &str, endpoints: usize, manifests: impl Fn(&Testbed) -> String) -> Cluster {
-        let mut spec = TestbedSpec::new(format!("kpe-{tag}"), BIN);
-        spec.endpoints = endpoints;
-        let bed = Testbed::build(&spec).expect("test bed builds (root and iproute2 needed)");
-        let dir = ManifestDir::new(&format!("kp-e2e-{mode}-{tag}"));
-        dir.write(&manifests(&bed));
-        let mut c = Cluster {
-            bed,
-            dir,
-            config: ManifestDir::new(&format!("kp-e2e-{mode}-{tag}-config")),
-            daemon: None,
-            mode,
-        };
-        c.start_daemon();
-        c
-    }
-
-    /// Everything the kernel has: the iptables tables (iptables mode) or the nft ruleset.
-    fn rules(&self) -> String {
-        if self.mode == "nftables" {
-            self.bed
-                .node
-                .exec_ok("nft", ["list", "ruleset"])
-                .expect("nft list ruleset")
-        } else {
-            format!("{}{}", self.nat(), self.filter())
-        }
-    }
-
-    fn start_daemon(&mut self) {
-        let mut args: Vec<String> = [
-            "--hostname-override=node-a",
-            "--manifests",
-            &self.dir.0.display().to_string(),
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        if self.mode == "nftables" {
-            let path = self.config.0.join("kube-proxy.yaml");
-            let config = format!(
-                "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: nftables\nclusterCIDR: 10.244.0.0/16\nnftables:\n  syncPeriod: {SYNC_PERIOD_S}s\n  minSyncPeriod: 0s\n"
-            );
-            std::fs::write(&path, config).expect("write config");
-            args.push(format!("--config={}", path.display()));
-        } else {
-            args.extend(
-                [
-                    "--cluster-cidr=10.244.0.0/16",
-                    "--iptables-min-sync-period=0s",
-                    &format!("--iptables-sync-period={SYNC_PERIOD_S}s"),
-                    &format!("--proxy-mode={}", self.mode),
-                ]
-                .iter()
-                .map(|s| s.to_string()),
-            );
-        }
-        let daemon = self.bed.spawn_in_node(Path::new(BIN), &args).expect("daemon starts");
-        daemon
-            .wait_for_log("Synced rules", Duration::from_secs(20))
-            .expect("first sync");
-        self.daemon = Some(daemon);
-    }
-
-    fn nat(&self) -> String {
-        self.bed
-            .node
-            .exec_ok("iptables-save", ["-t", "nat"])
-            .expect("iptables-save")
-    }
-
-    fn filter(&self) -> String {
-        self.bed
-            .node
-            .exec_ok("iptables-save", ["-t", "filter"])
-            .expect("iptables-save")
-    }
-
-    fn probe_client(&self, args: &ProbeArgs) -> ProbeReport {
-        self.bed.probe(&self.bed.client, args).expect("probe runs")
-    }
-
-    fn daemon_log(&self) -> String {
-        self.daemon.as_ref().map(ChildGuard::log).unwrap_or_default()
-    }
 }
 
 fn cip(port: u16) -> SocketAddr {
@@ -224,10 +118,7 @@ fn node_port_from_outside_and_external_traffic_policy_local(mode: &'static str) 
         let ep = b.endpoint(0).ip;
         let remote = b.endpoint(1).ip;
         let here = [local(ep)];
-        let there = [Ep {
-            ip: remote,
-            node: "node-b",
-        }];
+        let there = [Ep::on(remote, "node-b")];
         let mut web = ServiceSpec::new("web", CLUSTER_IP, &here);
         web.node_port = Some(NODE_PORT);
         let mut keep = ServiceSpec::new("keep-src", "10.96.165.11", &here);
@@ -644,11 +535,8 @@ fn bind_address_hard_fail_exits_when_the_healthz_port_is_taken() {
     assert!(c.probe_client(&ProbeArgs::tcp(cip(80)).with_count(3)).all_ok());
 }
 
-/// A test that holds in every proxy mode, given the mode.
-type InEveryMode = fn(&'static str);
-
 /// The tests that hold in every proxy mode, run once per mode (as `MODE_mode::TEST`).
-const IN_EVERY_MODE: &[(&str, InEveryMode)] = &common::harness::named![
+const IN_EVERY_MODE: &[(&str, common::harness::PerModeTest)] = &common::harness::named![
     cluster_ip_spreads_300_connections_evenly,
     scaling_to_four_endpoints_goes_live,
     zero_endpoints_are_refused_at_once_and_one_brings_traffic_back,
@@ -669,26 +557,6 @@ const ONCE: &[(&str, fn())] = &common::harness::named![
     bind_address_hard_fail_exits_when_the_healthz_port_is_taken,
 ];
 
-/// A test bed, the daemon in either mode, and the tools the tests read the rules with.
-const NEEDS: &[Requirement] = &[
-    Root,
-    Tool("ip"),
-    Tool("sysctl"),
-    Tool("iptables"),
-    Tool("iptables-save"),
-    Tool("iptables-restore"),
-    Tool("nft"),
-];
-
 fn main() -> ExitCode {
-    let mut tests = Vec::new();
-    for mode in ["iptables", "nftables"] {
-        for &(name, f) in IN_EVERY_MODE {
-            tests.push(test(format!("{mode}_mode::{name}"), move || f(mode)).needs(NEEDS));
-        }
-    }
-    for &(name, f) in ONCE {
-        tests.push(test(name, f).needs(NEEDS));
-    }
-    common::harness::run(tests)
+    common::harness::run_per_mode(IN_EVERY_MODE, ONCE, NEEDS)
 }

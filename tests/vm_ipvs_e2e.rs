@@ -109,13 +109,7 @@ mod in_vm {
         lb.node_port = Some(LB_NODE_PORT);
         lb.load_balancer_ip = Some(LB_IP);
         lb.spec_extra = "  loadBalancerSourceRanges: [\"192.168.49.77/32\"]\n";
-        let mixed = [
-            Ep::local(bed.endpoint(0).ip),
-            Ep {
-                ip: bed.endpoint(1).ip,
-                node: "node-b",
-            },
-        ];
+        let mixed = [Ep::local(bed.endpoint(0).ip), Ep::on(bed.endpoint(1).ip, "node-b")];
         let mut local = ServiceSpec::new("local", LOCAL, &mixed);
         local.node_port = Some(LOCAL_NODE_PORT);
         local.spec_extra = "  externalTrafficPolicy: Local\n";

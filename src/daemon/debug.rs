@@ -1,7 +1,7 @@
 //! The daemon's read-only `/debug` endpoints, served on the metrics server next to upstream's
 //! `/metrics`, `/proxyMode` and `/configz`:
 //! - `/debug/services` (optionally `?service=[NAMESPACE/]NAME[:PORT]`): the model's view of
-//!   every service port of each family as the last successful sync programmed it (endpoints
+//!   every service port of each family as the last sync wanted it (endpoints
 //!   with their conditions, node, zone, hints and locality; the category each fell into and
 //!   why; where each kind of traffic goes), the last sync of each family (time, full or not,
 //!   result or error) and whether the source reaches its objects; for one Service also the
@@ -53,6 +53,8 @@ struct Published {
 struct Record {
     /// The state of the last successful sync (what the kernel holds).
     state: Option<ProxyState>,
+    /// The state of the last sync, successful or not (what the daemon wants).
+    wanted: Option<ProxyState>,
     last: Option<SyncInfo>,
     last_success: Option<String>,
 }
@@ -82,6 +84,7 @@ impl DebugView {
         let now = rfc3339(SystemTime::now());
         self.update(state.family, |r| {
             r.state = Some(state.clone());
+            r.wanted = Some(state.clone());
             r.last_success = Some(now.clone());
             r.last = Some(SyncInfo {
                 time: now.clone(),
@@ -93,10 +96,11 @@ impl DebugView {
         });
     }
 
-    /// A sync of `family` failed; the kernel keeps the last successful sync's rules.
-    pub fn failed(&self, family: IpFamily, full: bool, error: &str) {
+    /// A sync of `state` failed; the kernel keeps the last successful sync's rules.
+    pub fn failed(&self, state: &ProxyState, full: bool, error: &str) {
         let now = rfc3339(SystemTime::now());
-        self.update(family, |r| {
+        self.update(state.family, |r| {
+            r.wanted = Some(state.clone());
             r.last = Some(SyncInfo {
                 time: now,
                 full,
@@ -112,7 +116,7 @@ impl DebugView {
         let records = self.records();
         let node = records
             .values()
-            .find_map(|r| r.state.as_ref().map(|s| s.node.clone()))
+            .find_map(|r| r.wanted.as_ref().map(|s| s.node.clone()))
             .unwrap_or_else(|| crate::model::NodeInfo {
                 name: cfg.node_name(),
                 ..crate::model::NodeInfo::default()
@@ -124,7 +128,7 @@ impl DebugView {
         };
         let families = records
             .into_iter()
-            .map(|(family, r)| match &r.state {
+            .map(|(family, r)| match &r.wanted {
                 Some(state) => {
                     let mut state = state.clone();
                     if let Some(only) = only {
@@ -298,7 +302,7 @@ mod tests {
             &[],
         );
         view.synced(&state, true);
-        view.failed(IpFamily::V4, false, "iptables-restore: line 3 failed");
+        view.failed(&state, false, "iptables-restore: line 3 failed");
         let source = SourceStatus::new("api");
         source.failed("Service", "connection refused");
         view.set_source(source);

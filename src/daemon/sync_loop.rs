@@ -160,7 +160,7 @@ impl SyncLoop {
                 }
                 Err(e) => {
                     error!(ip_family = %family, error = %e, "Sync failed; keeping the previous rules and retrying with a full sync");
-                    self.telemetry.failed(family, e.full, &e.to_string());
+                    self.telemetry.failed(&state, e.full, &e.to_string());
                     self.runner.synced(family, now(), Err(()), cleanup_at);
                 }
             }

@@ -122,10 +122,11 @@ impl Telemetry {
         self.debug.synced(state, report.full);
     }
 
-    /// One family's sync failed (`full`: it was a full one) with `error`. The counter is the
-    /// mode's.
-    pub fn failed(&self, family: IpFamily, full: bool, error: &str) {
-        self.debug.failed(family, full, error);
+    /// One family's sync of `state` failed (`full`: it was a full one) with `error`. The
+    /// counter is the mode's.
+    pub fn failed(&self, state: &ProxyState, full: bool, error: &str) {
+        let family = state.family;
+        self.debug.failed(state, full, error);
         let f = [family.as_str()];
         let m = &self.metrics;
         match self.mode {

@@ -127,14 +127,22 @@ fn node_problems(f: &Facts, mode: ProxyMode, push: &mut dyn FnMut(&str, String))
             },
         );
     } else if let Some(503) = dm.healthz_status {
+        // Upstream's healthz JSON says which half failed.
+        let body: serde_json::Value = serde_json::from_str(&dm.healthz_body).unwrap_or_default();
+        let why = if body["nodeEligible"] == false {
+            "this Node is being deleted, or drained by the cluster autoscaler: load balancers stop sending \
+             traffic here"
+                .to_string()
+        } else {
+            format!(
+                "a change has waited more than twice the sync period (last update {}): its syncs do not \
+                 complete; its log says why",
+                body["lastUpdated"].as_str().unwrap_or("unknown")
+            )
+        };
         push(
             "healthz-failing",
-            format!(
-                "kube-proxy's /healthz at {} answers 503 ({}): a change has waited more than twice the sync \
-                 period, or the node is being deleted; its log says why its syncs do not complete",
-                dm.healthz_address,
-                dm.healthz_body.trim()
-            ),
+            format!("kube-proxy's /healthz at {} answers 503: {why}", dm.healthz_address),
         );
     }
     if dm.reachable
@@ -157,15 +165,23 @@ fn node_problems(f: &Facts, mode: ProxyMode, push: &mut dyn FnMut(&str, String))
             ),
         );
     }
-    for l in &f.leftovers {
+    // One problem per other mode, naming all it left.
+    let mut modes: Vec<&str> = f.leftovers.iter().map(|l| l.mode.as_str()).collect();
+    modes.dedup();
+    for other in modes {
+        let what: Vec<&str> = f
+            .leftovers
+            .iter()
+            .filter(|l| l.mode == other)
+            .map(|l| l.what.as_str())
+            .collect();
         push(
             "leftover-mode",
             format!(
-                "rules of {} mode are on the node ({}) while it runs {} mode: both sets of rules see the \
-                 packets; restarting kube-proxy removes the other mode's rules at start (or run kube-proxy \
-                 --cleanup while kube-proxy is stopped)",
-                l.mode,
-                l.what,
+                "rules of {other} mode are on the node ({}) while it runs {} mode: both sets of rules see \
+                 the packets; restarting kube-proxy removes the other mode's rules at start (or run \
+                 kube-proxy --cleanup while kube-proxy is stopped)",
+                what.join(", "),
                 mode.as_str()
             ),
         );

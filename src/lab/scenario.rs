@@ -11,12 +11,23 @@ pub const NODE: &str = "apiVersion: v1\nkind: Node\nmetadata: {name: node-a}\nst
 pub struct Ep {
     pub ip: IpAddr,
     pub node: &'static str,
+    /// Its `conditions` in YAML flow style.
+    pub conditions: &'static str,
 }
 
 impl Ep {
-    /// An endpoint on this node (`node-a`).
+    /// A ready endpoint on this node (`node-a`).
     pub fn local(ip: IpAddr) -> Ep {
-        Ep { ip, node: "node-a" }
+        Ep::on(ip, "node-a")
+    }
+
+    /// A ready endpoint on `node`.
+    pub fn on(ip: IpAddr, node: &'static str) -> Ep {
+        Ep {
+            ip,
+            node,
+            conditions: "{ready: true}",
+        }
     }
 }
 
@@ -68,8 +79,8 @@ impl<'a> ServiceSpec<'a> {
         let mut endpoints = String::new();
         for e in self.endpoints {
             endpoints.push_str(&format!(
-                "\n- addresses: [\"{}\"]\n  nodeName: {}\n  conditions: {{ready: true}}",
-                e.ip, e.node
+                "\n- addresses: [\"{}\"]\n  nodeName: {}\n  conditions: {}",
+                e.ip, e.node, e.conditions
             ));
         }
         if endpoints.is_empty() {

@@ -187,6 +187,30 @@ pub fn run(tests: impl IntoIterator<Item = Test>) -> ExitCode {
     libtest_mimic::run(&args, trials).exit_code()
 }
 
+/// A test that holds in every proxy mode, given the mode.
+pub type PerModeTest = fn(&'static str);
+
+/// Runs the tests of a file that checks a proxy behaviour in iptables and nftables mode:
+/// each of `in_every_mode` once per mode (named `MODE_mode::NAME`), each of `once` once, all
+/// needing `needs`.
+#[allow(dead_code)]
+pub fn run_per_mode(
+    in_every_mode: &[(&'static str, PerModeTest)],
+    once: &[(&'static str, fn())],
+    needs: &'static [Requirement],
+) -> ExitCode {
+    let mut tests = Vec::new();
+    for mode in ["iptables", "nftables"] {
+        for &(name, f) in in_every_mode {
+            tests.push(test(format!("{mode}_mode::{name}"), move || f(mode)).needs(needs));
+        }
+    }
+    for &(name, f) in once {
+        tests.push(test(name, f).needs(needs));
+    }
+    run(tests)
+}
+
 /// `[(name, function)]` of test functions, each named after its function, for a `fn main`
 /// that builds its tests itself (e.g. one per proxy mode).
 #[allow(unused_macros)]

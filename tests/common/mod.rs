@@ -4,6 +4,7 @@
 //! feature ([`harness`]).
 #![allow(dead_code)]
 
+pub mod cluster;
 pub mod harness;
 pub mod netns;
 

@@ -448,6 +448,14 @@ mod tests {
         };
         assert_eq!(p("0.3333333333"), p("0.33333333349"), "as the kernel keeps it");
         assert_ne!(p("0.3333333333"), p("0.5000000000"));
+        let rendered = "-A S -m comment --comment \"ns/web:p -> 10.244.1.2:8080\" -m recent --name KUBE-SEP-X --rcheck --seconds 10800 --reap -j KUBE-SEP-X";
+        let saved = "[0:0] -A S -m comment --comment \"ns/web:p -> 10.244.1.2:8080\" -m recent --rcheck --seconds 10800 --reap --name KUBE-SEP-X --mask 255.255.255.255 --rsource -j KUBE-SEP-X";
+        assert_eq!(canonical_rule(rendered, "nat").map(|_| ()), Some(()));
+        assert_eq!(
+            canonical_rule(rendered, "nat"),
+            canonical_rule(saved, "nat"),
+            "recent as saved"
+        );
     }
 
     #[test]

@@ -178,7 +178,9 @@ impl<'t> RuleParser<'t> {
             "--mark" => self.mark(opt, negated),
             "--ctstate" => self.conntrack(opt, negated),
             "--mode" | "--probability" => self.statistic(opt, negated),
-            "--name" | "--rcheck" | "--set" | "--seconds" | "--reap" | "--rsource" => self.recent(opt, negated),
+            "--name" | "--rcheck" | "--set" | "--seconds" | "--reap" | "--rsource" | "--mask" => {
+                self.recent(opt, negated)
+            }
             "--nfacct-name" => self.nfacct(opt, negated),
             "--match-set" => self.set(opt, negated),
             "--physdev-is-in" => self.physdev(opt, negated),
@@ -362,7 +364,7 @@ impl<'t> RuleParser<'t> {
         no_neg(opt, negated)?;
         self.need(opt, "recent")?;
         let value = match opt {
-            "--name" | "--seconds" => Some(self.value(opt)?),
+            "--name" | "--seconds" | "--mask" => Some(self.value(opt)?),
             _ => None,
         };
         let spec = self.recent.get_or_insert_with(RecentSpec::default);
@@ -375,6 +377,9 @@ impl<'t> RuleParser<'t> {
             ("--rcheck", _) => spec.rcheck = true,
             ("--set", _) => spec.set = true,
             ("--reap", _) => spec.reap = true,
+            // `iptables-save` prints the default host mask; any other groups clients.
+            ("--mask", Some(v)) if v == "255.255.255.255" || v == "ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff" => {}
+            ("--mask", Some(v)) => return Err(Unsupported(format!("recent --mask {v} is not traced"))),
             _ => {} // --rsource is the default
         }
         Ok(())

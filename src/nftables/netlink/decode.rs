@@ -613,6 +613,61 @@ fn one(e: &[Expr], family: IpFamily, anon: &AnonSets) -> Result<Step, String> {
             },
             tail @ ..,
         ] => address(family, *offset, *len, tail, anon),
+        [Expr::Fib { flags }, Expr::Cmp { .. }, ..] => {
+            let dir = if flags & NFTA_FIB_F_SADDR != 0 {
+                Dir::Saddr
+            } else {
+                Dir::Daddr
+            };
+            m(2, Match::FibLocal(dir))
+        }
+        [Expr::Meta { .. }, ..] => meta(e),
+        [Expr::Reject, ..] => s(1, Statement::Verdict(Verdict::Reject)),
+        [Expr::ImmVerdict(v), ..] => s(1, Statement::Verdict(v.clone())),
+        [
+            Expr::Numgen,
+            Expr::Lookup {
+                set,
+                dreg: Some(REG_VERDICT),
+                ..
+            },
+            ..,
+        ] => {
+            let chains = anon
+                .chains
+                .get(set)
+                .cloned()
+                .ok_or(format!("the map {set} was not read"))?;
+            s(2, Statement::NumgenVmap(chains))
+        }
+        [Expr::Masq, ..] => s(1, Statement::Masquerade),
+        [
+            Expr::ImmValue {
+                dreg: REG_1,
+                data: addr,
+            },
+            Expr::ImmValue {
+                dreg: REG_2,
+                data: port,
+            },
+            Expr::Nat { kind: NFT_NAT_DNAT },
+            ..,
+        ] => {
+            let ip = ip_of(addr).ok_or("a DNAT address of an odd length")?;
+            let port = <[u8; 2]>::try_from(port.as_slice()).map_err(|_| "a DNAT port of an odd length")?;
+            s(3, Statement::Dnat(SocketAddr::new(ip, u16::from_be_bytes(port))))
+        }
+        [first, ..] => Err(format!("{} is not where kube-proxy writes it", expr_name(first))),
+        [] => Err("empty".into()),
+    }
+}
+
+/// A match or statement that starts with a `meta` load: an interface name, the protocol,
+/// the mark.
+fn meta(e: &[Expr]) -> Result<Step, String> {
+    let m = |n: usize, m: Match| Ok((n, Some(m), None));
+    let s = |n: usize, s: Statement| Ok((n, None, Some(s)));
+    match e {
         [
             Expr::Meta {
                 key: NFT_META_IIFNAME,
@@ -630,14 +685,6 @@ fn one(e: &[Expr], family: IpFamily, anon: &AnonSets) -> Result<Step, String> {
                 pattern.push('*');
             }
             m(2, Match::Iifname { negate, pattern })
-        }
-        [Expr::Fib { flags }, Expr::Cmp { .. }, ..] => {
-            let dir = if flags & NFTA_FIB_F_SADDR != 0 {
-                Dir::Saddr
-            } else {
-                Dir::Daddr
-            };
-            m(2, Match::FibLocal(dir))
         }
         [
             Expr::Meta {
@@ -683,41 +730,6 @@ fn one(e: &[Expr], family: IpFamily, anon: &AnonSets) -> Result<Step, String> {
             Expr::Cmp { .. },
             ..,
         ] => m(3, Match::MarkAndZero(u32_ne(mask)?)),
-        [Expr::Reject, ..] => s(1, Statement::Verdict(Verdict::Reject)),
-        [Expr::ImmVerdict(v), ..] => s(1, Statement::Verdict(v.clone())),
-        [
-            Expr::Numgen,
-            Expr::Lookup {
-                set,
-                dreg: Some(REG_VERDICT),
-                ..
-            },
-            ..,
-        ] => {
-            let chains = anon
-                .chains
-                .get(set)
-                .cloned()
-                .ok_or(format!("the map {set} was not read"))?;
-            s(2, Statement::NumgenVmap(chains))
-        }
-        [Expr::Masq, ..] => s(1, Statement::Masquerade),
-        [
-            Expr::ImmValue {
-                dreg: REG_1,
-                data: addr,
-            },
-            Expr::ImmValue {
-                dreg: REG_2,
-                data: port,
-            },
-            Expr::Nat { kind: NFT_NAT_DNAT },
-            ..,
-        ] => {
-            let ip = ip_of(addr).ok_or("a DNAT address of an odd length")?;
-            let port = <[u8; 2]>::try_from(port.as_slice()).map_err(|_| "a DNAT port of an odd length")?;
-            s(3, Statement::Dnat(SocketAddr::new(ip, u16::from_be_bytes(port))))
-        }
         [first, ..] => Err(format!("{} is not where kube-proxy writes it", expr_name(first))),
         [] => Err("empty".into()),
     }

@@ -1,0 +1,162 @@
+//! A test bed with the real daemon running in its node namespace on a manifest directory
+//! (`--manifests`), in iptables or nftables mode: what the end-to-end and `explain` tests
+//! start from.
+
+use std::path::Path;
+use std::time::Duration;
+
+use kube_proxy::lab::netns::ChildGuard;
+use kube_proxy::lab::probe::{ProbeArgs, ProbeReport};
+use kube_proxy::lab::testbed::{Testbed, TestbedSpec};
+
+use super::ManifestDir;
+use super::harness::{KernelFeature, Requirement, Requirement::*};
+
+/// What a bed with the daemon in either mode needs, with the tools the tests read the rules
+/// with.
+pub const NEEDS: &[Requirement] = &[
+    Root,
+    Tool("ip"),
+    Tool("ss"),
+    Tool("sysctl"),
+    Tool("iptables"),
+    Tool("iptables-save"),
+    Tool("iptables-restore"),
+    Tool("nft"),
+    Kernel(KernelFeature::Conntrack),
+];
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_kube-proxy");
+/// The daemon's sync period in these beds (short, so that repairs are quick).
+pub const SYNC_PERIOD_S: u64 = 2;
+
+pub struct Cluster {
+    pub bed: Testbed,
+    pub dir: ManifestDir,
+    /// Holds the daemon's `--config` file (nftables mode's sync periods have no flags upstream).
+    pub config: ManifestDir,
+    pub daemon: Option<ChildGuard>,
+    pub mode: &'static str,
+    /// YAML lines added to the configuration file (e.g. `nodePortAddresses: [...]`).
+    pub config_extra: String,
+}
+
+impl Cluster {
+    pub fn start(tag: &str, endpoints: usize, manifests: impl Fn(&Testbed) -> String) -> Cluster {
+        Cluster::start_in("iptables", tag, endpoints, manifests)
+    }
+
+    /// A bed with the daemon running in proxy mode `mode`.
+    pub fn start_in(
+        mode: &'static str,
+        tag: &str,
+        endpoints: usize,
+        manifests: impl Fn(&Testbed) -> String,
+    ) -> Cluster {
+        let mut spec = TestbedSpec::new(format!("kpe-{tag}"), BIN);
+        spec.endpoints = endpoints;
+        let bed = Testbed::build(&spec).expect("test bed builds (root and iproute2 needed)");
+        let dir = ManifestDir::new(&format!("kp-e2e-{mode}-{tag}"));
+        dir.write(&manifests(&bed));
+        let mut c = Cluster {
+            bed,
+            dir,
+            config: ManifestDir::new(&format!("kp-e2e-{mode}-{tag}-config")),
+            daemon: None,
+            mode,
+            config_extra: String::new(),
+        };
+        c.start_daemon();
+        c
+    }
+
+    /// Everything the kernel has: the iptables tables (iptables mode) or the nft ruleset.
+    pub fn rules(&self) -> String {
+        if self.mode == "nftables" {
+            self.bed
+                .node
+                .exec_ok("nft", ["list", "ruleset"])
+                .expect("nft list ruleset")
+        } else {
+            format!("{}{}", self.nat(), self.filter())
+        }
+    }
+
+    /// The configuration file of this bed's mode (written now): the mode, the cluster CIDR,
+    /// short sync periods, and `config_extra`.
+    pub fn config_flags(&self) -> Vec<String> {
+        self.config_flags_for(self.mode)
+    }
+
+    /// [`Cluster::config_flags`] for another mode `mode` (its own file).
+    pub fn config_flags_for(&self, mode: &str) -> Vec<String> {
+        let path = self.config.0.join(format!("kube-proxy-{mode}.yaml"));
+        let config = format!(
+            "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: {mode}\nclusterCIDR: 10.244.0.0/16\n\
+             iptables:\n  syncPeriod: {SYNC_PERIOD_S}s\n  minSyncPeriod: 0s\nnftables:\n  syncPeriod: {SYNC_PERIOD_S}s\n  \
+             minSyncPeriod: 0s\n{}",
+            self.config_extra
+        );
+        std::fs::write(&path, config).expect("write config");
+        vec![
+            "--hostname-override=node-a".into(),
+            format!("--config={}", path.display()),
+        ]
+    }
+
+    /// Starts the daemon and waits for its first sync.
+    pub fn start_daemon(&mut self) {
+        let daemon = self.spawn_daemon(&[]);
+        daemon
+            .wait_for_log("Synced rules", Duration::from_secs(20))
+            .expect("first sync");
+        self.daemon = Some(daemon);
+    }
+
+    /// Spawns the daemon on the manifest directory, with `env` settings (`NAME=VALUE`) first,
+    /// once a daemon stopped before has let go of its metrics port.
+    pub fn spawn_daemon(&self, env: &[String]) -> ChildGuard {
+        let listening = || {
+            self.bed
+                .node
+                .exec_ok("ss", ["-Hltnp", "sport = :10249"])
+                .unwrap_or_default()
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !listening().trim().is_empty() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the daemon's ports are still taken:\n{}",
+                listening()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let mut args: Vec<String> = env.to_vec();
+        args.push(BIN.into());
+        args.extend(["--manifests".to_string(), self.dir.0.display().to_string()]);
+        args.extend(self.config_flags());
+        self.bed.spawn_in_node(Path::new("env"), &args).expect("daemon starts")
+    }
+
+    pub fn nat(&self) -> String {
+        self.bed
+            .node
+            .exec_ok("iptables-save", ["-t", "nat"])
+            .expect("iptables-save")
+    }
+
+    pub fn filter(&self) -> String {
+        self.bed
+            .node
+            .exec_ok("iptables-save", ["-t", "filter"])
+            .expect("iptables-save")
+    }
+
+    pub fn probe_client(&self, args: &ProbeArgs) -> ProbeReport {
+        self.bed.probe(&self.bed.client, args).expect("probe runs")
+    }
+
+    pub fn daemon_log(&self) -> String {
+        self.daemon.as_ref().map(ChildGuard::log).unwrap_or_default()
+    }
+}
