@@ -14,12 +14,11 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use common::cluster::{BIN, Cluster, NEEDS};
+use common::explain::Explained;
 use common::wait_until;
-use kube_proxy::explain::report::WIDTH;
 use kube_proxy::lab::probe::{ProbeArgs, ProbeReport};
 use kube_proxy::lab::scenario::{Ep, NODE, ServiceSpec, manifests};
 use kube_proxy::lab::testbed::Testbed;
-use serde_json::Value;
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
@@ -41,70 +40,11 @@ fn all_local(b: &Testbed) -> Vec<Ep> {
     b.endpoints().iter().map(|e| Ep::local(e.ip)).collect()
 }
 
-/// What one question to `explain` answered, as text and as JSON.
-struct Explained {
-    code: i32,
-    text: String,
-    json: Value,
-}
-
-impl Explained {
-    fn problems(&self) -> Vec<String> {
-        self.json["problems"]
-            .as_array()
-            .map(|a| {
-                a.iter()
-                    .filter_map(|p| p["code"].as_str().map(str::to_string))
-                    .collect()
-            })
-            .unwrap_or_default()
-    }
-
-    /// The problem's text, checked to be in the text report too.
-    fn problem(&self, code: &str) -> String {
-        let p = self.json["problems"]
-            .as_array()
-            .and_then(|a| a.iter().find(|p| p["code"] == code))
-            .unwrap_or_else(|| panic!("no {code} problem in {:?}:\n{}", self.problems(), self.text));
-        let text = p["text"].as_str().unwrap_or_default().to_string();
-        // Wrapped in the text (a long word may be cut): compared without whitespace.
-        let squeeze = |t: &str| t.split_whitespace().collect::<String>();
-        assert!(
-            squeeze(&self.text).contains(&squeeze(&text)),
-            "the text report says it too: {text}\n{}",
-            self.text
-        );
-        text
-    }
-
-    fn port(&self) -> &Value {
-        &self.json["facts"]["ports"][0]
-    }
-}
-
-/// `kube-proxy explain ARGS` in the node namespace with the daemon's configuration, as text
-/// and as JSON (the same exit status both ways); every text line within the width.
+/// `kube-proxy explain ARGS` in the node namespace with the daemon's configuration.
 fn explain(c: &Cluster, args: &[&str]) -> Explained {
-    let run = |output: &str| {
-        let mut all: Vec<String> = vec!["explain".into()];
-        all.extend(args.iter().map(|a| a.to_string()));
-        all.extend(["--output".into(), output.into()]);
-        all.extend(c.config_flags());
-        let out = c.bed.node.exec(BIN, &all).expect("explain runs");
-        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-        (out.status.code().unwrap_or(-1), stdout, stderr)
-    };
-    let (code, text, err) = run("text");
-    let (json_code, json, json_err) = run("json");
-    assert_eq!(code, json_code, "text {err} / json {json_err}");
-    for line in text.lines() {
-        assert!(line.chars().count() <= WIDTH, "longer than {WIDTH}: {line:?}");
-    }
-    let json: Value = serde_json::from_str(&json).unwrap_or_else(|e| panic!("JSON ({e}): {json}\n{json_err}"));
-    println!("explain {}: exit {code}\n{text}", args.join(" "));
-    println!("the daemon as explain saw it: {}", json["facts"]["daemon"]);
-    Explained { code, text, json }
+    let mut all: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    all.extend(c.config_flags());
+    common::explain::explain(&c.bed.node, &all)
 }
 
 fn probe(c: &Cluster, args: &ProbeArgs) -> ProbeReport {

@@ -34,7 +34,11 @@
 //! - `--cleanup` removes the virtual servers, `kube-ipvs0` and the ipsets;
 //! - all along, someone else's virtual server on the node's address stays as it was;
 //! - `trace --proxy-mode=ipvs` over the daemon's manifests agrees with where the traffic of
-//!   the NodePort, zero-endpoint and source-range checks went (verdict, endpoints, masquerade).
+//!   the NodePort, zero-endpoint and source-range checks went (verdict, endpoints, masquerade);
+//! - `kube-proxy explain`: a healthy Service (exit 0, the real servers with their counts), a
+//!   missing scheduler module (said without loading it), a virtual server without real servers,
+//!   real servers draining at weight 0, and the node's conntrack table full (the guest's
+//!   `nf_conntrack_max` lowered) with drops rising while it watches.
 
 mod common;
 #[path = "support/vm.rs"]
@@ -61,6 +65,7 @@ mod in_vm {
     use kube_proxy::lab::scenario::{Ep, ServiceSpec, manifests};
     use kube_proxy::lab::testbed::{Testbed, TestbedSpec};
 
+    use crate::common::explain::Explained;
     use crate::common::netns::in_netns;
     use crate::common::{ManifestDir, wait_until_every};
 
@@ -266,9 +271,11 @@ mod in_vm {
         step("mode", &mut || mode_is_ipvs(&node));
         step("sysctls and timeouts", &mut || sysctls_and_timeouts(&node));
         step("rr", &mut || round_robin(&node));
+        step("explain (healthy)", &mut || explain_healthy(&node));
         step("NodePort", &mut || node_port_and_local_policy(&node));
         step("NodePort on a new address", &mut || node_port_follows_addresses(&node));
         step("zero endpoints", &mut || zero_endpoints(&node));
+        step("explain (zero endpoints)", &mut || explain_zero_endpoints(&node));
         step("hairpin", &mut || hairpin(&node));
         step("affinity", &mut || session_affinity(&node));
         step("source ranges", &mut || source_ranges(&node));
@@ -284,6 +291,7 @@ mod in_vm {
             ipvs_mode_removed_iptables_chains(&node);
         });
         step("sh", &mut || source_hashing(&node));
+        step("conntrack pressure", &mut || conntrack_pressure(&node));
         step("cleanup", &mut || cleanup(&mut node));
         println!("in-VM total {:?}", started.elapsed());
     }
@@ -312,6 +320,12 @@ mod in_vm {
             String::from_utf8_lossy(&out.stdout)
         );
         assert!(!node.ipvsadm(&["-Ln"]).contains("TCP "), "nothing programmed");
+        // explain says so too, without loading anything (the daemon is not running).
+        let dir = node.dir.0.display().to_string();
+        let x = explain(node, &["web", "--manifests", &dir, "--ipvs-scheduler=lblcr"]);
+        assert!(x.problem("ipvs-kernel").contains("ip_vs_lblcr"), "{}", x.text);
+        assert!(x.problems().contains(&"daemon-down".to_string()), "{:?}", x.problems());
+        assert!(!Path::new("/sys/module/ip_vs_lblcr").exists(), "explain loaded nothing");
         let unhide = "for f in $(find /lib/modules/$(uname -r) -name 'ip_vs_lblcr.ko*.hidden'); do mv \"$f\" \"${f%.hidden}\"; done";
         let out = std::process::Command::new("sh")
             .args(["-c", unhide])
@@ -708,6 +722,8 @@ mod in_vm {
         let r = node.probe(&bed.client, &ProbeArgs::tcp(vip).with_count(5));
         assert_eq!(r.names(), BTreeMap::from([(new.name.clone(), 5)]), "{:?}", r.errors());
         echo("while draining");
+        let x = explain(node, &["drain"]);
+        assert!(x.problem("ipvs-draining").contains(&old_rs.to_string()), "{}", x.text);
         assert!(node.real_servers(vip).contains_key(&old_rs), "kept while connected");
 
         // A reset leaves the kernel's entry in CLOSE for 10 s (a FIN would leave TIME_WAIT
@@ -816,6 +832,87 @@ mod in_vm {
             seen.push((src, r.names()));
         }
         println!("sh: client {:?}, outside {seen:?}", r.names());
+    }
+
+    /// `kube-proxy explain` in the node's namespace, with the daemon's configuration.
+    fn explain(node: &Node, args: &[&str]) -> Explained {
+        let mut all: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        all.extend(
+            [
+                "--proxy-mode=ipvs", "--hostname-override=node-a", "--cluster-cidr=10.244.0.0/16",
+            ]
+            .map(String::from),
+        );
+        crate::common::explain::explain(&node.bed.node, &all)
+    }
+
+    /// After the rr step's 300 connections: nothing wrong, the real servers and their
+    /// connection counts read back over netlink, conntrack's entries counted per endpoint.
+    fn explain_healthy(node: &Node) {
+        let x = explain(node, &["web"]);
+        assert_eq!((x.code, x.problems()), (0, vec![]), "{}", x.text);
+        for e in node.bed.endpoints() {
+            let line = format!("-> {} Masq weight 1 active", e.server_addr());
+            assert!(x.text.contains(&line), "{line}:\n{}", x.text);
+        }
+        assert!(x.text.contains("TCP  10.96.165.10:80 rr"), "{}", x.text);
+        let per = x.port()["connections"]["perEndpoint"]
+            .as_object()
+            .cloned()
+            .unwrap_or_default();
+        assert_eq!(per.len(), 3, "each endpoint's entries: {per:?}");
+    }
+
+    /// A Service without endpoints: its virtual server has no real server.
+    fn explain_zero_endpoints(node: &Node) {
+        let x = explain(node, &["empty"]);
+        let problems = x.problems();
+        assert!(problems.contains(&"no-endpoints".to_string()), "{problems:?}");
+        assert!(
+            x.problem("ipvs-no-real-servers").contains(&format!("{EMPTY}:80")),
+            "{}",
+            x.text
+        );
+    }
+
+    /// The conntrack table of the node's namespace full (this test owns the guest's kernel and
+    /// lowers `nf_conntrack_max`): new connections are dropped while explain watches.
+    fn conntrack_pressure(node: &Node) {
+        let max_path = "/proc/sys/net/netfilter/nf_conntrack_max";
+        let old_max = std::fs::read_to_string(max_path).expect("nf_conntrack_max");
+        let count: u64 = node
+            .bed
+            .node
+            .read_sysctl("net.netfilter.nf_conntrack_count")
+            .expect("count")
+            .trim()
+            .parse()
+            .expect("a number");
+        std::fs::write(max_path, (count + 20).to_string()).expect("lower nf_conntrack_max");
+        let filled = node.probe(
+            &node.bed.client,
+            &ProbeArgs::tcp(sa(WEB, 80)).with_count(25).with_timeout_ms(300),
+        );
+        println!(
+            "conntrack pressure: {} of 25 connections before the table filled",
+            filled.ok_count()
+        );
+        let x = std::thread::scope(|s| {
+            // New connections keep coming while explain watches (its own are dropped too).
+            let bed = &node.bed;
+            let more = s.spawn(move || {
+                bed.probe(
+                    &bed.client,
+                    &ProbeArgs::tcp(sa(WEB, 80)).with_count(40).with_timeout_ms(300),
+                )
+            });
+            let x = explain(node, &["web"]);
+            let _ = more.join();
+            x
+        });
+        std::fs::write(max_path, old_max.trim()).expect("restore nf_conntrack_max");
+        assert!(x.problem("conntrack-full").contains("when it is full"), "{}", x.text);
+        assert!(x.problem("conntrack-drops").contains(" drop in "), "{}", x.text);
     }
 
     fn cleanup(node: &mut Node) {

@@ -5,6 +5,7 @@
 #![allow(dead_code)]
 
 pub mod cluster;
+pub mod explain;
 pub mod harness;
 pub mod netns;
 
