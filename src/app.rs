@@ -29,6 +29,9 @@ pub enum TraceFailed {
     /// Our own nftables transaction does not apply to an empty table (a bug).
     #[error("the rendered nftables transaction does not apply: {0}")]
     Nftables(nftables::ruleset::ApplyError),
+    /// `--live`: the kernel's rules could not be read, or hold what the tracer cannot follow.
+    #[error("reading the kernel's rules: {0}")]
+    Live(String),
 }
 
 /// What the configured mode's full sync programs for `state`, as `render` prints it:
@@ -87,6 +90,56 @@ fn trace_mode(
             let rendered = ipvs::render::render(state, &IpvsRenderOptions::from_config(cfg, family, node));
             warnings.extend(rendered.warnings.iter().cloned());
             ipvs::trace::trace(&rendered, &ctx, packet)?
+        }
+    })
+}
+
+/// Follows `packet` through the rules the kernel holds now, in the configured mode
+/// (`trace --live`), read back the way `explain` reads them: `iptables-save` into the iptables
+/// tracer, the `kube-proxy` table over netlink into the nftables one, IPVS's virtual servers,
+/// ipsets and iptables rules into the IPVS one. The node's own addresses are its interfaces'.
+pub fn trace_live(cfg: &ProxyConfig, packet: &Packet) -> Result<Trace, TraceFailed> {
+    use crate::ipvs::host::IpvsHost as _;
+    let family = IpFamily::of(&packet.dst);
+    let live = |e: &dyn std::fmt::Display| TraceFailed::Live(e.to_string());
+    let mut host = crate::ipvs::host::HostExec;
+    let ctx = TraceContext {
+        local_addresses: host
+            .other_addresses(crate::ipvs::names::DUMMY_DEVICE)
+            .map_err(|e| live(&e))?
+            .into_iter()
+            .filter(|a| family.contains(a))
+            .collect(),
+    };
+    let mut ipt = crate::iptables::exec::Exec::new(family);
+    Ok(match cfg.mode {
+        ProxyMode::Iptables => {
+            let ruleset = iptables::readback::live_ruleset(&mut ipt).map_err(|e| live(&e))?;
+            iptables::trace::trace(&ruleset, &ctx, packet)?
+        }
+        ProxyMode::Nftables => {
+            let mut socket = nftables::netlink::NftSocket::new().map_err(|e| live(&e))?;
+            let read = socket
+                .read(family, &nftables::netlink::ReadScope::Whole)
+                .map_err(|e| live(&e))?;
+            let Some((table, foreign)) = read else {
+                return Err(TraceFailed::Live(format!(
+                    "no {} kube-proxy table",
+                    nftables::ast::family_keyword(family)
+                )));
+            };
+            if let Some(u) = foreign.first() {
+                return Err(TraceFailed::Live(format!(
+                    "chain {} holds a rule kube-proxy did not write ({}: {}); it cannot be traced",
+                    u.chain, u.exprs, u.reason
+                )));
+            }
+            nftables::trace::trace(&table, &ctx, packet)?
+        }
+        ProxyMode::Ipvs => {
+            let mut ipvs = crate::ipvs::netlink::IpvsHandle::new().map_err(|e| live(&e))?;
+            let rs = ipvs::dataplane::live_ruleset(family, &mut ipvs, &mut ipt, &mut host).map_err(|e| live(&e))?;
+            ipvs::trace::trace(&rs, &ctx, packet)?
         }
     })
 }

@@ -127,8 +127,12 @@ pub struct RenderArgs {
 #[derive(Args, Debug)]
 pub struct TraceArgs {
     /// Manifest files or directories (YAML or JSON).
-    #[arg(required = true)]
+    #[arg(required_unless_present = "live", conflicts_with = "live")]
     pub paths: Vec<PathBuf>,
+    /// Follow the packet through the rules the kernel holds now, in the configured mode,
+    /// instead of through a render (as root, in the node's network namespace).
+    #[arg(long)]
+    pub live: bool,
     /// Source address of the packet.
     #[arg(long)]
     pub from: IpAddr,

@@ -190,7 +190,6 @@ fn trace_cmd(cfg: &ProxyConfig, args: TraceArgs) -> anyhow::Result<ExitCode> {
     if IpFamily::of(&args.from) != IpFamily::of(&args.to.ip()) {
         bail!("--from {} and --to {} are of different IP families", args.from, args.to);
     }
-    let objects = load(&args.paths)?;
     let packet = Packet {
         src: args.from,
         dst: args.to.ip(),
@@ -198,12 +197,17 @@ fn trace_cmd(cfg: &ProxyConfig, args: TraceArgs) -> anyhow::Result<ExitCode> {
         protocol,
         in_interface: args.in_interface.clone(),
     };
-    let state = build_state(&objects, &app::node_info(&objects, cfg), IpFamily::of(&args.to.ip()));
-    let (warnings, result) = app::trace(cfg, &state, &packet);
-    for w in &warnings {
-        eprintln!("warning: {w}");
-    }
-    let result = result?;
+    let result = if args.live {
+        app::trace_live(cfg, &packet)?
+    } else {
+        let objects = load(&args.paths)?;
+        let state = build_state(&objects, &app::node_info(&objects, cfg), IpFamily::of(&args.to.ip()));
+        let (warnings, result) = app::trace(cfg, &state, &packet);
+        for w in &warnings {
+            eprintln!("warning: {w}");
+        }
+        result?
+    };
     match args.output {
         OutputArg::Json => println!("{}", serde_json::to_string_pretty(&result)?),
         OutputArg::Text => print!("{}", trace::render_text(&result, &packet)),

@@ -64,6 +64,7 @@ fn cluster_ip_spreads_300_connections_evenly(mode: &'static str) {
         report.seen_sources().into_iter().collect::<Vec<_>>(),
         vec![c.bed.client_ip()]
     );
+    c.assert_live_trace_agrees(c.bed.client_ip(), cip(80), "TCP");
 }
 
 fn scaling_to_four_endpoints_goes_live(mode: &'static str) {
@@ -86,6 +87,7 @@ fn scaling_to_four_endpoints_goes_live(mode: &'static str) {
         names.contains_key(&c.bed.endpoint(3).name),
         "the new endpoint receives traffic: {names:?}"
     );
+    c.assert_live_trace_agrees(c.bed.client_ip(), cip(80), "TCP");
 }
 
 fn zero_endpoints_are_refused_at_once_and_one_brings_traffic_back(mode: &'static str) {
@@ -97,6 +99,7 @@ fn zero_endpoints_are_refused_at_once_and_one_brings_traffic_back(mode: &'static
             .errors()
             .contains_key("refused")
     });
+    c.assert_live_trace_agrees(c.bed.client_ip(), cip(80), "TCP");
     let report = c.probe_client(&ProbeArgs::tcp(cip(80)).with_count(5).with_timeout_ms(2000));
     for a in &report.attempts {
         assert_eq!(
@@ -168,6 +171,9 @@ fn node_port_from_outside_and_external_traffic_policy_local(mode: &'static str) 
         )
         .expect("probe");
     assert_eq!(r.errors(), BTreeMap::from([("timeout".to_string(), 2)]), "dropped");
+    for port in [NODE_PORT, 32518, 32519] {
+        c.assert_live_trace_agrees(outside, SocketAddr::new(node, port), "TCP");
+    }
 }
 
 fn session_affinity_keeps_a_client_on_one_endpoint(mode: &'static str) {
@@ -181,6 +187,7 @@ fn session_affinity_keeps_a_client_on_one_endpoint(mode: &'static str) {
     let report = c.probe_client(&ProbeArgs::tcp(cip(80)).with_count(50));
     assert_eq!(report.ok_count(), 50, "{:?}", report.errors());
     assert_eq!(report.names().len(), 1, "one endpoint for all 50: {:?}", report.names());
+    c.assert_live_trace_agrees(c.bed.client_ip(), cip(80), "TCP");
 }
 
 fn load_balancer_source_ranges_allow_one_source_and_drop_another(mode: &'static str) {
@@ -212,6 +219,8 @@ fn load_balancer_source_ranges_allow_one_source_and_drop_another(mode: &'static 
         BTreeMap::from([("timeout".to_string(), 2)]),
         "other source dropped"
     );
+    c.assert_live_trace_agrees(allowed, lb, "TCP");
+    c.assert_live_trace_agrees(other, lb, "TCP");
 }
 
 fn hairpin_an_endpoint_reaches_its_own_service(mode: &'static str) {
@@ -238,6 +247,7 @@ fn hairpin_an_endpoint_reaches_its_own_service(mode: &'static str) {
     for a in to_self {
         assert_ne!(a.seen_src, Some(me.ip), "hairpin traffic is masqueraded: {a:?}");
     }
+    c.assert_live_trace_agrees(me.ip, cip(80), "TCP");
 }
 
 fn udp_client_moves_to_a_live_endpoint_within_a_second(mode: &'static str) {
@@ -297,6 +307,7 @@ fn udp_client_moves_to_a_live_endpoint_within_a_second(mode: &'static str) {
         late.iter().all(|a| a.ok && a.name.as_deref() == Some(second.as_str())),
         "keeps answering from the live endpoint: {late:?}"
     );
+    c.assert_live_trace_agrees(c.bed.client_ip(), cip(80), "UDP");
 }
 
 fn kill_9_keeps_streams_and_restart_converges_without_duplicates() {

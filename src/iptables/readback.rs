@@ -102,6 +102,20 @@ pub fn service_port_sections(table: &str, saved: &str, port: &ServicePort) -> Ve
     SavedTable::parse(table, saved).sections(port)
 }
 
+/// The filter and nat tables as the kernel holds them now (`iptables-save`), as a ruleset the
+/// tracer reads: the jump rules are among the built-in chains' own rules there.
+pub fn live_ruleset(ipt: &mut dyn super::exec::Iptables) -> Result<super::Ruleset, super::exec::ExecError> {
+    let mut restore = String::new();
+    for table in ["filter", "nat"] {
+        restore.push_str(&ipt.save(table)?);
+    }
+    Ok(super::Ruleset {
+        family: ipt.family(),
+        jumps: Vec::new(),
+        restore,
+    })
+}
+
 /// `(chain, whole line)` of every rule line (`[pkts:bytes] -A CHAIN …` or `-A CHAIN …`).
 fn rules(saved: &str) -> impl Iterator<Item = (&str, &str)> {
     saved.lines().filter_map(|line| {

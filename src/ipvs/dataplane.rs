@@ -7,13 +7,17 @@ use std::time::Instant;
 
 use super::cleanup::cleanup;
 use super::host::IpvsHost;
+use super::names::{DUMMY_DEVICE, IPSETS, set_name};
 use super::netlink::{Ipvs, RealServer, VirtualServer};
 use super::proxier::IpvsProxier;
-use super::render::IpvsRenderOptions;
+use super::render::{
+    FLAG_SCHED1, FLAG_SCHED2, FLAG_SCHED3, Ipset, IpvsDestination, IpvsRenderOptions, IpvsRuleset, IpvsService,
+    NodeAddressSource, VirtualServerKind,
+};
 use crate::config::ProxyMode;
 // IPVS mode programs iptables rules too (masquerading, NodePorts, source ranges).
 use crate::iptables::exec::Iptables;
-use crate::model::{IpFamily, ProxyState, ServicePort};
+use crate::model::{IpFamily, ProxyState, ServicePort, ServicePortName};
 use crate::proxy::{Programmed, ProgrammedSection, Proxier, ReadBackError, SyncContext, SyncError, SyncReport};
 
 impl<V: Ipvs + Send, I: Iptables, H: IpvsHost + Send> Proxier for IpvsProxier<V, I, H> {
@@ -88,6 +92,88 @@ impl<V: Ipvs + Send, I: Iptables, H: IpvsHost + Send> Proxier for IpvsProxier<V,
         }
         Ok(Programmed { sections })
     }
+}
+
+/// What IPVS mode has programmed in `family`, read back from the kernel as a ruleset the
+/// tracer walks (`kube-proxy trace --live`): the virtual servers and their real servers over
+/// netlink, the ipsets (`ipset save`), `kube-ipvs0`'s addresses and the filter and nat
+/// tables (`iptables-save`).
+pub fn live_ruleset(
+    family: IpFamily,
+    ipvs: &mut dyn Ipvs,
+    ipt: &mut dyn Iptables,
+    host: &mut dyn IpvsHost,
+) -> Result<IpvsRuleset, String> {
+    let mut virtual_servers = Vec::new();
+    for vs in ipvs.services().map_err(|e| e.to_string())? {
+        if vs.fwmark.is_some() || !family.contains(&vs.address) {
+            continue;
+        }
+        let mut destinations: Vec<IpvsDestination> = ipvs
+            .dests(&vs)
+            .map_err(|e| e.to_string())?
+            .iter()
+            .map(|d| IpvsDestination {
+                address: d.address,
+                port: d.port,
+                weight: d.weight,
+            })
+            .collect();
+        destinations.sort();
+        virtual_servers.push(IpvsService {
+            address: vs.address,
+            protocol: vs.protocol,
+            port: vs.port,
+            scheduler: vs.scheduler.clone(),
+            persistent: vs.persistent_timeout,
+            netmask: vs.netmask,
+            sched_flags: vs.flags.0 & (FLAG_SCHED1 | FLAG_SCHED2 | FLAG_SCHED3),
+            destinations,
+            // The kernel does not know whose it is.
+            service: ServicePortName {
+                namespace: String::new(),
+                name: String::new(),
+                port: String::new(),
+                protocol: vs.protocol,
+            },
+            kind: VirtualServerKind::ClusterIp,
+        });
+    }
+    virtual_servers.sort_by_key(|v| (v.protocol, v.address, v.port));
+    let saved = host.ipsets().map_err(|e| e.to_string())?;
+    let ipsets = IPSETS
+        .iter()
+        .map(|info| {
+            let name = set_name(info.name, family);
+            Ipset {
+                id: info.id,
+                entries: saved
+                    .get(&name)
+                    .map(|e| e.iter().cloned().collect())
+                    .unwrap_or_default(),
+                name,
+                set_type: info.set_type,
+                family,
+                comment: info.comment,
+            }
+        })
+        .collect();
+    let iptables = crate::iptables::readback::live_ruleset(ipt).map_err(|e| e.to_string())?;
+    let bound_addresses = host.addresses(DUMMY_DEVICE).map_err(|e| e.to_string())?;
+    Ok(IpvsRuleset {
+        family,
+        virtual_servers,
+        bound_addresses: bound_addresses.into_iter().filter(|a| family.contains(a)).collect(),
+        node_port_addresses: Vec::new(),
+        node_addresses_from: NodeAddressSource::Interfaces,
+        ipsets,
+        jumps: Vec::new(),
+        restore: iptables.restore,
+        sysctls: Vec::new(),
+        timeouts: None,
+        exclude_cidrs: Vec::new(),
+        warnings: Vec::new(),
+    })
 }
 
 /// `TCP  10.96.0.10:53 rr [persistent 10800]`, as `ipvsadm -Ln` heads a virtual server.

@@ -138,6 +138,48 @@ impl Cluster {
         self.bed.spawn_in_node(Path::new("env"), &args).expect("daemon starts")
     }
 
+    /// `kube-proxy trace --live` in the node namespace and `kube-proxy trace` on the
+    /// manifests (the render), with the daemon's configuration: they must agree on where a new
+    /// connection from `from` to `to` goes (verdict, endpoints, masquerade).
+    pub fn assert_live_trace_agrees(&self, from: std::net::IpAddr, to: std::net::SocketAddr, protocol: &str) {
+        let trace = |source: &[String]| -> (String, Vec<String>, bool) {
+            let mut args: Vec<String> = vec!["trace".into()];
+            args.extend(source.iter().cloned());
+            args.extend([
+                format!("--from={from}"),
+                format!("--to={to}"),
+                format!("--protocol={protocol}"),
+                "--output=json".into(),
+            ]);
+            args.extend(self.config_flags());
+            let out = self.bed.node.exec(BIN, &args).expect("trace runs");
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success(),
+                "trace {source:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let v: serde_json::Value = serde_json::from_str(&stdout).expect("trace prints JSON");
+            let mut endpoints: Vec<String> = v["endpoints"]
+                .as_array()
+                .map(|a| a.iter().filter_map(|e| e.as_str()).map(str::to_string).collect())
+                .unwrap_or_default();
+            endpoints.sort();
+            (
+                v["verdict"].as_str().unwrap_or_default().to_string(),
+                endpoints,
+                v["masquerade"] == true,
+            )
+        };
+        let live = trace(&["--live".to_string()]);
+        let rendered = trace(&[self.dir.0.display().to_string()]);
+        assert_eq!(
+            live, rendered,
+            "{protocol} {from} -> {to}: trace --live (left) and trace (right)"
+        );
+        println!("trace --live agrees with trace for {protocol} {from} -> {to}: {live:?}");
+    }
+
     pub fn nat(&self) -> String {
         self.bed
             .node
