@@ -9,8 +9,7 @@ mod endpoints;
 mod services;
 pub mod store;
 pub mod synthetic;
-#[cfg(test)]
-pub(crate) mod testing;
+pub mod testing;
 mod topology;
 mod types;
 
