@@ -20,6 +20,7 @@ use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::networking::v1::ServiceCIDR;
 
+use super::addr::parse_cidr_sloppy;
 use super::endpoints::{EndpointMerge, SliceEntry};
 use super::services::{ServiceEntry, sort_and_dedup};
 use super::{IpFamily, NodeInfo, ProxyState, ServicePortState};
@@ -400,10 +401,10 @@ fn service_cidrs(list: &[ServiceCIDR], family: IpFamily, warnings: &mut Vec<Stri
         let name = sc.metadata.name.as_deref().unwrap_or("<unnamed>");
         let cidrs = sc.spec.as_ref().and_then(|s| s.cidrs.as_ref());
         for (i, cidr) in cidrs.into_iter().flatten().enumerate() {
-            match cidr.trim().parse::<IpNet>() {
-                Ok(net) if family.contains(&net.addr()) => out.push(net.trunc()),
-                Ok(_) => {}
-                Err(_) => warnings.push(format!(
+            match parse_cidr_sloppy(cidr) {
+                Some(net) if family.contains(&net.addr()) => out.push(net.trunc()),
+                Some(_) => {}
+                None => warnings.push(format!(
                     "ServiceCIDR {name}: field spec.cidrs[{i}]: invalid CIDR {cidr:?}; skipped"
                 )),
             }
