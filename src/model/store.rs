@@ -443,6 +443,22 @@ pub fn slice_entry(slice: &EndpointSlice, node_name: &str) -> Arc<SliceEntry> {
     Arc::new(SliceEntry::from_slice(slice, node_name))
 }
 
+/// A ServiceCIDR reduced to what the proxy reads, its name and CIDRs, whichever API version it
+/// came in (`networking.k8s.io/v1` or `v1beta1` share the fields): an update that changes
+/// neither (status, labels, resource version) converts to an equal entry.
+pub fn service_cidr_entry(name: Option<&str>, cidrs: Option<&[String]>) -> ServiceCIDR {
+    ServiceCIDR {
+        metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+            name: name.map(str::to_string),
+            ..Default::default()
+        },
+        spec: Some(k8s_openapi::api::networking::v1::ServiceCIDRSpec {
+            cidrs: cidrs.map(<[String]>::to_vec),
+        }),
+        status: None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
