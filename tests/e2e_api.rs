@@ -432,8 +432,25 @@ fn service_cidrs_from_the_api_reach_the_kernel() {
     assert_eq!(c.answer(OTHER_RANGE), "timeout", "the other ServiceCIDR still drops");
     let chain = c.cluster_ips_check();
     assert!(
-        chain.contains("10.97.0.0/24") && !chain.contains("10.96.0.0/16"),
+        chain.contains("10.97.0.0/24") && !chain.contains("10.96.0.0"),
         "{chain}"
+    );
+    // A Service and endpoint of a legacy object (leading zeros, read in decimal): served,
+    // and its ClusterIP is an allocated one, not dropped.
+    let ep = c.bed.endpoint(0).ip;
+    let IpAddr::V4(ep4) = ep else { panic!("IPv4 test bed") };
+    let zeros = ep4.octets().map(|o| format!("{o:03}")).join(".");
+    c.api.apply(service("legacy", "10.96.165.011", json!({})));
+    let mut legacy = slice("legacy", &[(ep, "node-a")]);
+    legacy["endpoints"][0]["addresses"] = json!([zeros]);
+    c.api.apply(legacy);
+    c.api.apply(service_cidr("kubernetes", &["010.096.000.000/016"]));
+    wait_for_answer(&c, "10.96.165.11:80", "ep1", "a legacy Service (10.96.165.011)");
+    wait_for_answer(&c, UNALLOCATED, "timeout", "a legacy ServiceCIDR (010.096.000.000/016)");
+    let chain = c.cluster_ips_check();
+    assert!(
+        chain.contains("10.96.0.0-10.97.0.255"),
+        "the two, adjacent, merged: {chain}"
     );
     let requests = c.api.requests().join("\n");
     assert!(
