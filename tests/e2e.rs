@@ -13,7 +13,7 @@ use std::process::ExitCode;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use common::harness::{Requirement, Requirement::*, test};
+use common::harness::{Requirement, test};
 use common::{ManifestDir, wait_until};
 use kube_proxy::lab::netns::ChildGuard;
 use kube_proxy::lab::probe::{ProbeArgs, ProbeReport};
@@ -670,15 +670,7 @@ const ONCE: &[(&str, fn())] = &common::harness::named![
 ];
 
 /// A test bed, the daemon in either mode, and the tools the tests read the rules with.
-const NEEDS: &[Requirement] = &[
-    Root,
-    Tool("ip"),
-    Tool("sysctl"),
-    Tool("iptables"),
-    Tool("iptables-save"),
-    Tool("iptables-restore"),
-    Tool("nft"),
-];
+const NEEDS: &[Requirement] = common::harness::DAEMON_IN_A_BED;
 
 fn main() -> ExitCode {
     let mut tests = Vec::new();

@@ -9,15 +9,14 @@ mod common;
 #[path = "support/apiserver/mod.rs"]
 mod apiserver;
 
-use std::io::{Read, Write};
-use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
 
 use apiserver::ApiServer;
 use common::netns::in_netns;
-use common::wait_until_every;
+use common::{http_get, wait_until_every};
 use kube_proxy::iptables::names;
 use kube_proxy::lab::netns::ChildGuard;
 use kube_proxy::lab::probe::ProbeArgs;
@@ -27,23 +26,6 @@ use serde_json::{Value, json};
 static SERIAL: Mutex<()> = Mutex::new(());
 const BIN: &str = env!("CARGO_BIN_EXE_kube-proxy");
 const SYNC_PERIOD_S: u64 = 2;
-
-/// `GET path` over plain HTTP/1.0 from inside `ns`: (status, body).
-fn http_get(ns: &str, addr: SocketAddr, path: &str) -> Option<(u16, String)> {
-    in_netns(ns, || {
-        let mut s = TcpStream::connect_timeout(&addr, Duration::from_millis(500)).ok()?;
-        s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
-        write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").ok()?;
-        let mut text = String::new();
-        s.read_to_string(&mut text).ok()?;
-        let status = text.split_whitespace().nth(1)?.parse().ok()?;
-        let body = text
-            .split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_string())
-            .unwrap_or_default();
-        Some((status, body))
-    })
-}
 
 /// How often the tests poll for a change.
 const POLL: Duration = Duration::from_millis(50);

@@ -6,7 +6,8 @@
 //! the VM (`--exact ipvs_e2e_in_vm` with `KUBE_PROXY_IN_VM=1`), where the same test builds the
 //! namespace test bed of `tests/e2e.rs` (`kube_proxy::lab::testbed`), starts the real daemon in
 //! its node namespace with `--proxy-mode=ipvs --manifests`, and sends real traffic:
-//! - `/proxyMode` and the log say `ipvs`; the IPVS sysctls, strict ARP and the configured
+//! - `/proxyMode` and the log say `ipvs` (with upstream's "Using ipvs Proxier" and its deprecation
+//!   error line); the IPVS sysctls, strict ARP and the configured
 //!   timeouts are set in the node's namespace, and not in the guest's own;
 //! - rr: a ClusterIP's connections go round the endpoints in turn, exactly (and pass the
 //!   chi-square test of the iptables suite);
@@ -412,6 +413,19 @@ mod in_vm {
                 .any(|l| l.contains("Starting kube-proxy") && l.contains("ipvs")),
             "{log}"
         );
+        // Upstream's lines, word for word and at their levels.
+        for (level, line) in [
+            ('I', "] \"Using ipvs Proxier\""),
+            (
+                'E',
+                "] \"The ipvs proxier is now deprecated and may be removed in a future release. Please use 'nftables' instead.\"",
+            ),
+        ] {
+            assert!(
+                log.lines().any(|l| l.starts_with(level) && l.ends_with(line)),
+                "{line}: {log}"
+            );
+        }
         let body = in_netns(node.bed.node.name(), || {
             let mut s = TcpStream::connect("127.0.0.1:10249").expect("metrics server");
             s.write_all(b"GET /proxyMode HTTP/1.0\r\nHost: localhost\r\n\r\n")

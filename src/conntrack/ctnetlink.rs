@@ -16,7 +16,7 @@ use netlink_packet_netfilter::conntrack::{
     ConntrackAttribute, ConntrackMessage, IPTuple, ProtoTuple, Protocol as CtProtocol, Tuple,
 };
 use netlink_packet_netfilter::{NetfilterHeader, NetfilterMessage, NetfilterMessageInner, NetfilterProtoFamily};
-use netlink_sys::{Socket, SocketAddr as NlSocketAddr, protocols::NETLINK_NETFILTER};
+use netlink_sys::Socket;
 use nix::errno::Errno;
 use tracing::{debug, warn};
 
@@ -245,9 +245,7 @@ impl fmt::Debug for Netlink {
 impl Netlink {
     /// Opens and connects a ctnetlink socket (needs `CAP_NET_ADMIN` to list or delete).
     pub fn new() -> Result<Netlink, Error> {
-        let mut socket = Socket::new(NETLINK_NETFILTER).map_err(Error::Socket)?;
-        socket.bind_auto().map_err(Error::Socket)?;
-        socket.connect(&NlSocketAddr::new(0, 0)).map_err(Error::Socket)?;
+        let socket = netlink::netfilter_socket().map_err(Error::Socket)?;
         Ok(Netlink {
             socket,
             seq: 0,

@@ -1,13 +1,16 @@
 //! Per-mode set-up and cleanup on the real node: which families a mode can program here, the
-//! real proxiers of a mode, the kernel checks before anything is touched, the removal of the
-//! other modes' rules at start (mode switches, every way), and `--cleanup`.
+//! real proxiers of a mode (with upstream's "Using … Proxier" line, and iptables mode's nfacct
+//! counters where the kernel has them), the kernel checks before anything is touched, the
+//! removal of the other modes' rules at start (mode switches, every way), and `--cleanup`.
 
 use anyhow::Context as _;
-use tracing::warn;
+use tracing::{error, info, warn};
 
 use crate::config::{ProxyConfig, ProxyMode};
 use crate::iptables::exec::{Exec, Iptables};
+use crate::iptables::nfacct::{self, Nfacct};
 use crate::iptables::proxier::{IptablesProxier, cleanup as cleanup_iptables};
+use crate::iptables::render::{NFACCT_CT_STATE_INVALID, NFACCT_LOCALHOST_NODEPORTS};
 use crate::iptables::{IptablesRenderOptions, names as ipt_names};
 use crate::ipvs::host::{HostExec, IpvsHost as _};
 use crate::ipvs::netlink::{Ipvs, IpvsHandle};
@@ -47,9 +50,42 @@ pub fn check_kernel(cfg: &ProxyConfig) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Upstream's deprecation message for IPVS mode (KEP-5495), logged at error level and sent
+/// as the Warning event `IPVSDeprecation` on the Node.
+pub const IPVS_DEPRECATION: &str =
+    "The ipvs proxier is now deprecated and may be removed in a future release. Please use 'nftables' instead.";
+
+/// Logs the mode in use as upstream does, word for word (operators grep for these lines), and
+/// in IPVS mode its deprecation.
+pub fn log_mode(mode: ProxyMode) {
+    match mode {
+        ProxyMode::Iptables => info!("Using iptables Proxier"),
+        ProxyMode::Ipvs => {
+            info!("Using ipvs Proxier");
+            error!("{IPVS_DEPRECATION}");
+        }
+        ProxyMode::Nftables => info!("Using nftables Proxier"),
+    }
+}
+
+/// iptables mode's nfacct counters, created where the kernel has nfacct (as upstream does at
+/// start): the handle that reads them, or None, and then no rule counts into them.
+pub fn nfacct_counters() -> Option<Box<dyn Nfacct>> {
+    let mut handle = match nfacct::Netlink::new() {
+        Ok(h) => h,
+        Err(e) => {
+            error!(error = %e, "Failed to create nfacct runner, nfacct based metrics won't be available");
+            return None;
+        }
+    };
+    nfacct::ensure_all(&mut handle, &[NFACCT_CT_STATE_INVALID, NFACCT_LOCALHOST_NODEPORTS])
+        .then(|| Box::new(handle) as Box<dyn Nfacct>)
+}
+
 /// The real proxiers of the configured mode, one per family. Their options are set by each
-/// sync's `configure`; these are placeholders until then.
-pub fn proxiers(cfg: &ProxyConfig) -> anyhow::Result<Vec<Box<dyn Proxier>>> {
+/// sync's `configure`; these are placeholders until then, except `nfacct` (iptables mode: the
+/// counters exist, so two rules count into them).
+pub fn proxiers(cfg: &ProxyConfig, nfacct: bool) -> anyhow::Result<Vec<Box<dyn Proxier>>> {
     families(cfg.mode)
         .into_iter()
         .map(|family| -> anyhow::Result<Box<dyn Proxier>> {
@@ -67,7 +103,10 @@ pub fn proxiers(cfg: &ProxyConfig) -> anyhow::Result<Vec<Box<dyn Proxier>>> {
                 }
                 ProxyMode::Iptables => Box::new(IptablesProxier::new(
                     Exec::new(family),
-                    IptablesRenderOptions::default(),
+                    IptablesRenderOptions {
+                        nfacct,
+                        ..IptablesRenderOptions::default()
+                    },
                 )),
             })
         })

@@ -3,6 +3,7 @@
 
 pub mod exec;
 pub mod names;
+pub mod nfacct;
 pub mod proxier;
 pub mod readback;
 pub mod render;

@@ -641,6 +641,8 @@ impl<I: Iptables> Proxier for IptablesProxier<I> {
     fn configure(&mut self, ctx: &SyncContext<'_>) {
         let mut opts = IptablesRenderOptions::from_config(ctx.config, self.ipt.family(), ctx.node);
         opts.tcp_be_liberal = ctx.tcp_be_liberal;
+        // Whether the nfacct counters exist was settled when the proxier was made (at start).
+        opts.nfacct = self.opts.nfacct;
         self.set_options(opts);
     }
 
@@ -738,6 +740,33 @@ mod tests {
         let rendered = render(&st, &opts()).restore;
         let (filter, nat) = rendered.split_at(rendered.find("*nat").unwrap());
         assert_eq!(ipt.restores[0], format!("{nat}{filter}"));
+    }
+
+    #[test]
+    fn configure_keeps_the_nfacct_counters_the_proxier_was_made_with() {
+        let cfg = crate::config::ProxyConfig::resolve(&crate::config::Flags::default()).unwrap();
+        let node = crate::model::NodeInfo::default();
+        let ctx = SyncContext {
+            config: &cfg,
+            node: &node,
+            tcp_be_liberal: false,
+        };
+        let with = IptablesRenderOptions {
+            nfacct: true,
+            ..IptablesRenderOptions::default()
+        };
+        let st = state(vec![port("a", 1, Protocol::Tcp, &[1])]);
+        for (opts, counted) in [(with, true), (IptablesRenderOptions::default(), false)] {
+            let mut p = IptablesProxier::new(Fake::default(), opts);
+            p.configure(&ctx);
+            p.sync(&st).unwrap();
+            let restore = &p.iptables().restores[0];
+            assert_eq!(
+                restore.contains("-m nfacct --nfacct-name ct_state_invalid_dropped_pkts -j DROP"),
+                counted,
+                "{restore}"
+            );
+        }
     }
 
     #[test]

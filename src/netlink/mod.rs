@@ -7,8 +7,8 @@
 //! - `parse` (pure): a datagram split into [`RawMsg`]s, attributes read back ([`Attrs`]), and
 //!   the kernel's `NLMSG_ERROR` ([`ErrorReply`]: errno, echoed sequence number, extack text),
 //!   none of it trusting a length.
-//! - `socket`: sending and receiving datagrams on a `netlink_sys::Socket`, interrupted calls
-//!   retried.
+//! - `socket`: opening a `NETLINK_NETFILTER` socket; sending and receiving datagrams on a
+//!   `netlink_sys::Socket`, interrupted calls retried.
 //!
 //! What a family puts in its messages (genetlink's or nfnetlink's header, nftables' batches,
 //! the kernel's constants of that family) stays in the family's own `wire` module.
@@ -21,7 +21,7 @@ pub(crate) mod testing;
 
 pub use msg::MsgBuf;
 pub use parse::{Attrs, ErrorReply, RawMsg, messages, parse_error, read_i32, read_u16, read_u32, split_messages};
-pub use socket::{drain, recv, send};
+pub use socket::{drain, netfilter_socket, recv, send};
 
 /// Netlink header flags (`linux/netlink.h`).
 pub const NLM_F_REQUEST: u16 = 0x1;

@@ -3,8 +3,17 @@
 
 use std::io;
 
-use netlink_sys::Socket;
+use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
 use nix::libc::{MSG_DONTWAIT, c_int};
+
+/// A `NETLINK_NETFILTER` socket, bound to a port id of the kernel's choosing and connected to
+/// the kernel, in the network namespace of the calling thread (nftables, ctnetlink, nfacct).
+pub fn netfilter_socket() -> io::Result<Socket> {
+    let mut socket = Socket::new(NETLINK_NETFILTER)?;
+    socket.bind_auto()?;
+    socket.connect(&SocketAddr::new(0, 0))?;
+    Ok(socket)
+}
 
 /// Sends `bytes` as one datagram; a short send (the kernel took part of it) is an error.
 pub fn send(socket: &Socket, bytes: &[u8]) -> io::Result<()> {

@@ -417,28 +417,70 @@ fn service_cidr_changes<K: Resource>(
 
 /// Upstream's "Starting" event on the Node (its `birthCry`).
 async fn birth_cry(client: Client, node_name: String) {
-    let reporter = Reporter {
-        controller: "kube-proxy".into(),
-        instance: Some(node_name.clone()),
-    };
-    let recorder = Recorder::new(client, reporter);
-    let node = ObjectReference {
-        kind: Some("Node".into()),
-        name: Some(node_name.clone()),
-        uid: Some(node_name.clone()),
-        api_version: Some("v1".into()),
-        ..ObjectReference::default()
-    };
     let event = KubeEvent {
         type_: EventType::Normal,
         reason: "Starting".into(),
         note: None,
-        action: "StartKubeProxy".into(),
+        action: START_ACTION.into(),
         secondary: None,
     };
-    match recorder.publish(&event, &node).await {
-        Ok(()) => info!(node = %node_name, "Emitted the Starting event"),
-        Err(e) => warn!(error = %e, "Could not emit the Starting event"),
+    publish_on_node(client, &node_name, &event).await;
+}
+
+/// The action of the events kube-proxy emits while it starts.
+const START_ACTION: &str = "StartKubeProxy";
+
+/// A Warning event about starting, as upstream's `Recorder.Eventf(NodeRef, nil, Warning,
+/// reason, "StartKubeProxy", note)`.
+pub fn start_warning(reason: &str, note: &str) -> KubeEvent {
+    KubeEvent {
+        type_: EventType::Warning,
+        reason: reason.into(),
+        note: Some(note.into()),
+        action: START_ACTION.into(),
+        secondary: None,
+    }
+}
+
+/// Emits `event` on the Node `node_name`, reaching the API as `cc` says, from a thread of its
+/// own: the daemon does not wait for it, and a failure is logged.
+pub fn emit_on_node(cc: &ClientConnection, node_name: &str, event: KubeEvent) {
+    let (cc, node_name) = (cc.clone(), node_name.to_string());
+    let spawned = std::thread::Builder::new().name("kube-event".into()).spawn(move || {
+        let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+            Ok(r) => r,
+            Err(e) => return warn!(error = %e, reason = %event.reason, "Could not emit the event"),
+        };
+        runtime.block_on(async {
+            match client(&cc).await {
+                Ok(c) => publish_on_node(c, &node_name, &event).await,
+                Err(e) => warn!(error = %format!("{e:#}"), reason = %event.reason, "Could not emit the event"),
+            }
+        });
+    });
+    if let Err(e) = spawned {
+        warn!(error = %e, "Could not start the thread that emits an event");
+    }
+}
+
+/// Publishes `event` about the Node `node_name` as kube-proxy (events.k8s.io, with the Node's
+/// name as its UID, as upstream's `NodeRef`).
+async fn publish_on_node(client: Client, node_name: &str, event: &KubeEvent) {
+    let reporter = Reporter {
+        controller: "kube-proxy".into(),
+        instance: Some(node_name.to_string()),
+    };
+    let recorder = Recorder::new(client, reporter);
+    let node = ObjectReference {
+        kind: Some("Node".into()),
+        name: Some(node_name.to_string()),
+        uid: Some(node_name.to_string()),
+        api_version: Some("v1".into()),
+        ..ObjectReference::default()
+    };
+    match recorder.publish(event, &node).await {
+        Ok(()) => info!(node = %node_name, reason = %event.reason, "Emitted an event"),
+        Err(e) => warn!(error = %e, reason = %event.reason, "Could not emit the event"),
     }
 }
 
