@@ -147,7 +147,9 @@ fn main() {
     for round in 0..zeros {
         let idx = (round * 104_729 + 13) % services;
         let kept = current.service_ports[idx].endpoints.clone();
-        std::sync::Arc::make_mut(&mut current.service_ports[idx]).endpoints.clear();
+        std::sync::Arc::make_mut(&mut current.service_ports[idx])
+            .endpoints
+            .clear();
         let t = Instant::now();
         let r = proxier.sync(&current).expect("to zero endpoints");
         zero_times.push(t.elapsed());

@@ -11,8 +11,6 @@
 
 use std::io;
 
-use netlink_sys::Socket;
-
 use crate::netlink::{self, Attrs, DecodeError, MsgBuf, NLM_F_ACK, NLM_F_CREATE, NLM_F_REQUEST, NLMSG_ERROR};
 
 /// nfacct's nfnetlink subsystem; message types are `subsys << 8 | NFNL_MSG_ACCT_*`.
@@ -128,18 +126,9 @@ pub fn ensure_all(nfacct: &mut dyn Nfacct, names: &[&str]) -> bool {
 
 /// nfacct over a `NETLINK_NETFILTER` socket, in the network namespace of the thread that
 /// created it (needs `CAP_NET_ADMIN`).
+#[derive(Debug)]
 pub struct Netlink {
-    socket: Socket,
-    seq: u32,
-    buf: Vec<u8>,
-}
-
-impl std::fmt::Debug for Netlink {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Netlink")
-            .field("seq", &self.seq)
-            .finish_non_exhaustive()
-    }
+    channel: netlink::Channel,
 }
 
 /// What one exchange returned: the counter message, if any, and the kernel's errno (0: done).
@@ -150,28 +139,23 @@ struct Answer {
 
 impl Netlink {
     pub fn new() -> Result<Netlink, Error> {
-        let socket = netlink::netfilter_socket().map_err(Error::Socket)?;
-        Ok(Netlink {
-            socket,
-            seq: 0,
-            buf: vec![0; RECV_BUFFER],
-        })
+        let channel = netlink::Channel::netfilter(RECV_BUFFER).map_err(Error::Socket)?;
+        Ok(Netlink { channel })
     }
 
     /// Sends one request and reads until the kernel acknowledges or refuses it (messages of
     /// other sequence numbers are leftovers of an exchange cut short, and skipped).
     fn exchange(&mut self, what: &str, build: impl Fn(u32) -> Vec<u8>) -> Result<Answer, Error> {
-        self.seq = self.seq.wrapping_add(1);
-        let seq = self.seq;
+        let seq = self.channel.next_seq();
         let io_err = |source| Error::Io {
             what: what.to_string(),
             source,
         };
-        netlink::send(&self.socket, &build(seq)).map_err(io_err)?;
+        self.channel.send(&build(seq)).map_err(io_err)?;
         let mut counter = None;
         loop {
-            let n = netlink::recv(&self.socket, &mut self.buf, 0).map_err(io_err)?;
-            let data = &self.buf[..n.min(self.buf.len())];
+            // A datagram too long for the buffer is read as far as it goes.
+            let (data, _) = self.channel.recv().map_err(io_err)?;
             for m in netlink::messages(data) {
                 let m = m.map_err(|source| Error::Decode {
                     what: what.to_string(),

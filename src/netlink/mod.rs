@@ -21,7 +21,7 @@ pub(crate) mod testing;
 
 pub use msg::MsgBuf;
 pub use parse::{Attrs, ErrorReply, RawMsg, messages, parse_error, read_i32, read_u16, read_u32, split_messages};
-pub use socket::{drain, netfilter_socket, recv, send};
+pub use socket::{Channel, drain, netfilter_socket, recv, send};
 
 /// Netlink header flags (`linux/netlink.h`).
 pub const NLM_F_REQUEST: u16 = 0x1;
