@@ -87,6 +87,8 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
     let node_name = cfg.node_name();
     modes::check_kernel(&cfg)?;
     info!(mode = cfg.mode.as_str(), node = %node_name, "Starting kube-proxy");
+    // Before anything is programmed: the backend kubelet and earlier proxies wrote to.
+    let backend = crate::iptables::backend::detect_and_log();
     let warnings = conntrack::apply_sysctls_and_hashsize(
         &cfg.conntrack,
         std::path::Path::new("/proc/sys"),
@@ -102,8 +104,8 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
     }
     let mut running = opts.source.source().start(&node_name)?;
     // Rules of the mode not in use are removed, as upstream does at start.
-    modes::remove_other_modes(cfg.mode);
-    let proxiers = modes::proxiers(&cfg)?;
+    modes::remove_other_modes(cfg.mode, backend);
+    let proxiers = modes::proxiers(&cfg, backend)?;
     let node_watched = matches!(opts.source, SourceConfig::Api(_));
     let sync_loop = sync_loop::SyncLoop::new(cfg, proxiers, Box::new(host::NodeHost), telemetry, node_watched);
     let runtime = tokio::runtime::Builder::new_current_thread()
