@@ -322,9 +322,9 @@ impl<W: Write> Lab<'_, W> {
     /// Step 1: the Service as the daemon programmed it.
     fn show_the_service(&mut self) -> Result<()> {
         let source = match self.mode {
-            ProxyMode::Nftables => "nft list table ip kube-proxy",
-            ProxyMode::Iptables => "iptables-save -t nat",
-            ProxyMode::Ipvs => "ipvsadm -Ln",
+            ProxyMode::Nftables => "nft list table ip kube-proxy".to_string(),
+            ProxyMode::Iptables => format!("{} -t nat", save_tool()),
+            ProxyMode::Ipvs => "ipvsadm -Ln".to_string(),
         };
         let what = if self.ipvs() { "virtual server" } else { "chains" };
         writeln!(
