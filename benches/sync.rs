@@ -18,6 +18,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kube_proxy::config::LocalDetector;
+use kube_proxy::iptables::backend::Backend;
 use kube_proxy::iptables::exec::{Exec, Fake};
 use kube_proxy::iptables::proxier::IptablesProxier;
 use kube_proxy::iptables::{IptablesRenderOptions, render};
@@ -76,7 +77,8 @@ fn main() {
     // Floor and cold sync alternate, each in a fresh namespace; medians of `REPS` runs.
     let reps = env("REPS", 3).max(1);
     let (mut floors, mut colds) = (Vec::new(), Vec::new());
-    let mut proxier = IptablesProxier::new(Exec::new(IpFamily::V4), opts());
+    // The plain tools, the ones the floor runs (`iptables-restore`).
+    let mut proxier = IptablesProxier::new(Exec::new(Backend::Plain, IpFamily::V4), opts());
     for _ in 0..reps {
         fresh_namespace();
         let t = Instant::now();
@@ -84,7 +86,7 @@ fn main() {
         floors.push(t.elapsed());
 
         fresh_namespace();
-        proxier = IptablesProxier::new(Exec::new(IpFamily::V4), opts());
+        proxier = IptablesProxier::new(Exec::new(Backend::Plain, IpFamily::V4), opts());
         let t = Instant::now();
         let report = proxier.sync(&state).expect("cold full sync");
         colds.push(t.elapsed());

@@ -149,6 +149,7 @@ fn fixed_chains(saved: &str) -> Vec<String> {
 /// last endpoint or comes and goes: the kernel accepts the edits, and after each sync the
 /// chains hold what a full render of the same state gives in a fresh namespace, in order.
 fn partial_syncs_edit_kube_services_in_place_as_a_full_render_would_write_it() {
+    use kube_proxy::iptables::backend::Backend;
     use kube_proxy::iptables::exec::{Exec, Iptables};
     use kube_proxy::iptables::proxier::IptablesProxier;
     use kube_proxy::iptables::{IptablesRenderOptions, render};
@@ -178,7 +179,7 @@ fn partial_syncs_edit_kube_services_in_place_as_a_full_render_would_write_it() {
             .args(["link", "set", "lo", "up"])
             .status()
             .expect("ip");
-        let mut p = IptablesProxier::new(Exec::new(IpFamily::V4), opts.clone());
+        let mut p = IptablesProxier::new(Exec::new(Backend::Plain, IpFamily::V4), opts.clone());
         states
             .iter()
             .map(|st| {
@@ -191,7 +192,7 @@ fn partial_syncs_edit_kube_services_in_place_as_a_full_render_would_write_it() {
     });
     for (i, st) in states.iter().enumerate() {
         let fresh = in_fresh_netns(|| {
-            let mut ipt = Exec::new(IpFamily::V4);
+            let mut ipt = Exec::new(Backend::Plain, IpFamily::V4);
             ipt.restore(&render(st, &opts).restore).expect("full render applies");
             fixed_chains(&ipt.save("nat").expect("iptables-save"))
         });

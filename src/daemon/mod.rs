@@ -99,6 +99,8 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
         None => None,
     };
     info!(mode = cfg.mode.as_str(), node = %node_name, "Starting kube-proxy");
+    // Before anything is programmed: the backend kubelet and earlier proxies wrote to.
+    let backend = crate::iptables::backend::detect_and_log();
     let warnings = conntrack::apply_sysctls_and_hashsize(
         &cfg.conntrack,
         std::path::Path::new("/proc/sys"),
@@ -119,13 +121,13 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
     }
     let mut running = opts.source.source().start(&node_name)?;
     // Rules of the mode not in use are removed, as upstream does at start.
-    modes::remove_other_modes(cfg.mode);
+    modes::remove_other_modes(cfg.mode, backend);
     modes::log_mode(cfg.mode);
     if let (ProxyMode::Ipvs, SourceConfig::Api(cc)) = (cfg.mode, &opts.source) {
         let event = source::api::start_warning("IPVSDeprecation", modes::IPVS_DEPRECATION);
         source::api::emit_on_node(cc, &node_name, event);
     }
-    let proxiers = modes::proxiers(&cfg, counted)?;
+    let proxiers = modes::proxiers(&cfg, backend, counted)?;
     let node_watched = matches!(opts.source, SourceConfig::Api(_));
     let sync_loop = sync_loop::SyncLoop::new(cfg, proxiers, Box::new(host::NodeHost), telemetry, node_watched);
     let runtime = tokio::runtime::Builder::new_current_thread()

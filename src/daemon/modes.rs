@@ -2,11 +2,14 @@
 //! real proxiers of a mode (with upstream's "Using … Proxier" line, and iptables mode's nfacct
 //! counters where the kernel has them), the kernel checks before anything is touched, the
 //! removal of the other modes' rules at start (mode switches, every way), and `--cleanup`.
+//! Every iptables call goes to the backend chosen at start (`iptables::backend`), passed in as
+//! `backend`.
 
 use anyhow::Context as _;
 use tracing::{error, info, warn};
 
 use crate::config::{ProxyConfig, ProxyMode};
+use crate::iptables::backend::Backend;
 use crate::iptables::exec::{Exec, Iptables};
 use crate::iptables::nfacct::{self, Nfacct};
 use crate::iptables::proxier::{IptablesProxier, cleanup as cleanup_iptables};
@@ -22,12 +25,12 @@ use crate::proxy::{Proxier, RenderOptions};
 
 /// The families `mode` can program on this node: IPv4, and IPv6 where the mode's tools and
 /// the kernel have it (upstream creates one proxier per family and drops a family that fails).
-pub fn families(mode: ProxyMode) -> Vec<IpFamily> {
+pub fn families(mode: ProxyMode, backend: Backend) -> Vec<IpFamily> {
     let v6 = match mode {
         // nftables mode speaks netlink: it needs the kernel's IPv6, not ip6tables.
         ProxyMode::Nftables => kernel_has_ipv6(),
         // IPVS mode programs ip6tables rules beside its virtual servers.
-        ProxyMode::Iptables | ProxyMode::Ipvs => Exec::available(IpFamily::V6),
+        ProxyMode::Iptables | ProxyMode::Ipvs => Exec::available(backend, IpFamily::V6),
     };
     let mut v = vec![IpFamily::V4];
     if v6 {
@@ -85,8 +88,8 @@ pub fn nfacct_counters() -> Option<Box<dyn Nfacct>> {
 /// The real proxiers of the configured mode, one per family. Their options are set by each
 /// sync's `configure`; these are placeholders until then, except `nfacct` (iptables mode: the
 /// counters exist, so two rules count into them).
-pub fn proxiers(cfg: &ProxyConfig, nfacct: bool) -> anyhow::Result<Vec<Box<dyn Proxier>>> {
-    families(cfg.mode)
+pub fn proxiers(cfg: &ProxyConfig, backend: Backend, nfacct: bool) -> anyhow::Result<Vec<Box<dyn Proxier>>> {
+    families(cfg.mode, backend)
         .into_iter()
         .map(|family| -> anyhow::Result<Box<dyn Proxier>> {
             Ok(match cfg.mode {
@@ -97,12 +100,12 @@ pub fn proxiers(cfg: &ProxyConfig, nfacct: bool) -> anyhow::Result<Vec<Box<dyn P
                         family,
                         IpvsRenderOptions::default(),
                         ipvs,
-                        Exec::new(family),
+                        Exec::new(backend, family),
                         HostExec,
                     ))
                 }
                 ProxyMode::Iptables => Box::new(IptablesProxier::new(
-                    Exec::new(family),
+                    Exec::new(backend, family),
                     IptablesRenderOptions {
                         nfacct,
                         ..IptablesRenderOptions::default()
@@ -114,7 +117,7 @@ pub fn proxiers(cfg: &ProxyConfig, nfacct: bool) -> anyhow::Result<Vec<Box<dyn P
 }
 
 /// Removes the rules of the modes other than `mode` (switching modes, every way).
-pub fn remove_other_modes(mode: ProxyMode) {
+pub fn remove_other_modes(mode: ProxyMode, backend: Backend) {
     if mode != ProxyMode::Nftables {
         for e in remove_nftables_mode() {
             warn!(error = %e, "Could not remove the nftables mode's table");
@@ -122,30 +125,30 @@ pub fn remove_other_modes(mode: ProxyMode) {
     }
     // IPVS mode's state goes before iptables mode's: it references chains the two share.
     if mode != ProxyMode::Ipvs {
-        for e in remove_ipvs_mode(false) {
+        for e in remove_ipvs_mode(false, backend) {
             warn!(error = %e, "Could not remove the IPVS mode's state");
         }
     }
     match mode {
-        ProxyMode::Nftables => remove_iptables_mode(),
+        ProxyMode::Nftables => remove_iptables_mode(backend),
         // IPVS mode rewrites the chains it shares with iptables mode (KUBE-SERVICES, ...) on
         // its first sync; iptables mode's own chains go only where iptables mode left some, so
         // that restarting IPVS mode never empties its chains in between.
         ProxyMode::Ipvs => {
-            if families(ProxyMode::Iptables)
+            if families(ProxyMode::Iptables, backend)
                 .into_iter()
-                .any(|f| iptables_mode_present(&mut Exec::new(f)))
+                .any(|f| iptables_mode_present(&mut Exec::new(backend, f)))
             {
-                remove_iptables_mode();
+                remove_iptables_mode(backend);
             }
         }
         ProxyMode::Iptables => {}
     }
 }
 
-fn remove_iptables_mode() {
-    for family in families(ProxyMode::Iptables) {
-        for e in cleanup_iptables(&mut Exec::new(family)) {
+fn remove_iptables_mode(backend: Backend) {
+    for family in families(ProxyMode::Iptables, backend) {
+        for e in cleanup_iptables(&mut Exec::new(backend, family)) {
             warn!(ip_family = %family, error = %e, "Could not remove the iptables mode's rules");
         }
     }
@@ -180,9 +183,12 @@ fn iptables_mode_present(ipt: &mut Exec) -> bool {
 /// left): virtual servers on `kube-ipvs0` addresses and NodePort-looking ones on node
 /// addresses (only when the kernel has IPVS loaded: without it there are none, and looking
 /// would load it), its iptables rules, ipsets and `kube-ipvs0`. Silent where there is nothing.
-fn remove_ipvs_mode(all: bool) -> Vec<String> {
+fn remove_ipvs_mode(all: bool, backend: Backend) -> Vec<String> {
     let mut host = HostExec;
-    let mut ipts: Vec<Exec> = families(ProxyMode::Ipvs).into_iter().map(Exec::new).collect();
+    let mut ipts: Vec<Exec> = families(ProxyMode::Ipvs, backend)
+        .into_iter()
+        .map(|f| Exec::new(backend, f))
+        .collect();
     let link = host.link_exists(crate::ipvs::names::DUMMY_DEVICE).unwrap_or(false);
     let rules = ipts.iter_mut().any(|i| crate::ipvs::cleanup::iptables_state_present(i));
     if !(all || link || rules) {
@@ -200,12 +206,16 @@ fn remove_ipvs_mode(all: bool) -> Vec<String> {
 /// `--cleanup`: removes everything we own in both families (iptables chains and jumps, the
 /// nftables `kube-proxy` tables of the nftables mode, and IPVS mode's virtual servers, ipsets
 /// and `kube-ipvs0`). Returns the errors met.
-pub fn cleanup_all() -> Vec<String> {
+pub fn cleanup_all(backend: Backend) -> Vec<String> {
     let mut errors = Vec::new();
     // IPVS mode's rules first: its chains share names with iptables mode's.
-    errors.extend(remove_ipvs_mode(true).into_iter().map(|e| format!("IPVS mode: {e}")));
-    for family in families(ProxyMode::Iptables) {
-        let mut ipt = Exec::new(family);
+    errors.extend(
+        remove_ipvs_mode(true, backend)
+            .into_iter()
+            .map(|e| format!("IPVS mode: {e}")),
+    );
+    for family in families(ProxyMode::Iptables, backend) {
+        let mut ipt = Exec::new(backend, family);
         errors.extend(cleanup_iptables(&mut ipt).into_iter().map(|e| format!("{family}: {e}")));
     }
     errors.extend(remove_nftables_mode());

@@ -11,11 +11,17 @@ pub(super) async fn handle(
     body: Bytes,
 ) -> Response {
     let query = parse_query(uri.query());
-    let delay = {
+    let (delay, token) = {
         let mut st = sh.lock();
         st.requests.push(request_line(&method, uri.path(), &query));
-        st.delay
+        (st.delay, st.token.clone())
     };
+    if let Some(token) = token {
+        let sent = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+        if sent != Some(format!("Bearer {token}").as_str()) {
+            return status(StatusCode::UNAUTHORIZED, "Unauthorized", "Unauthorized");
+        }
+    }
     if !delay.is_zero() {
         tokio::time::sleep(delay).await;
     }

@@ -43,6 +43,7 @@
 //!   watcher; connection errors are not retried there, so they surface at once and the
 //!   watcher's own backoff paces the retries.
 //! - [`ApiServer::set_delay`]: every response is held back by the given time.
+//! - [`ApiServer::require_token`]: requests without the bearer token get 401.
 //!
 //! Here: the handle and the stored state. Beside it: `http` (routing, GET, LIST, event writes),
 //! `watches` (WATCH streams), `select` (selectors, query strings, JSON helpers) and `conn` (the
@@ -414,6 +415,12 @@ preferences: {{}}
         self.shared.lock().bookmark_interval = every;
     }
 
+    /// From now on, answers a request without `Authorization: Bearer TOKEN` with 401
+    /// Unauthorized (as a real server does); `None` accepts every request again.
+    pub fn require_token(&self, token: Option<&str>) {
+        self.shared.lock().token = token.map(str::to_string);
+    }
+
     /// Every request received so far, as `METHOD /path?query` with the query percent-decoded,
     /// in the client's order, e.g.
     /// `GET /api/v1/services?labelSelector=!service.kubernetes.io/headless&limit=500`.
@@ -469,6 +476,7 @@ impl Shared {
                 requests: Vec::new(),
                 delay: Duration::ZERO,
                 bookmark_interval: Duration::from_secs(1),
+                token: None,
                 snapshots: BTreeMap::new(),
                 snapshot_seq: 0,
                 unserved: Vec::new(),
@@ -506,6 +514,8 @@ struct State {
     requests: Vec<String>,
     delay: Duration,
     bookmark_interval: Duration,
+    /// When set, a request without `Authorization: Bearer <this>` gets 401.
+    token: Option<String>,
     /// Paged-list snapshots by id: (resource version, all matching items).
     snapshots: BTreeMap<u64, (u64, Arc<Vec<Value>>)>,
     snapshot_seq: u64,
