@@ -6,11 +6,13 @@
 //!   host, telemetry) on tokio's clock;
 //! - [`telemetry`]: healthz, the mode's metrics and the health-check node ports;
 //! - [`modes`]: per-mode set-up on the real node, mode switches and `--cleanup`;
+//! - [`leftovers`]: the other modes' state after a mode switch, removed once this mode is in;
 //! - [`host`]: the node's sysctls and conntrack table, as the loop touches them.
 //!
 //! This module wires them for the real node: [`run`].
 
 pub mod host;
+pub mod leftovers;
 pub mod modes;
 pub mod runner;
 pub mod sync_loop;
@@ -101,11 +103,12 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
         info!(manifests = %dir.display(), "Reading Services and EndpointSlices from manifests");
     }
     let mut running = opts.source.source().start(&node_name)?;
-    // Rules of the mode not in use are removed, as upstream does at start.
-    modes::remove_other_modes(cfg.mode);
+    // The other modes' rules are found now, and removed once this mode's are in place.
+    let leftovers = leftovers::OtherModes::find(cfg.mode);
     let proxiers = modes::proxiers(&cfg)?;
     let node_watched = matches!(opts.source, SourceConfig::Api(_));
-    let sync_loop = sync_loop::SyncLoop::new(cfg, proxiers, Box::new(host::NodeHost), telemetry, node_watched);
+    let sync_loop = sync_loop::SyncLoop::new(cfg, proxiers, Box::new(host::NodeHost), telemetry, node_watched)
+        .with_leftovers(leftovers);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .thread_name("kube-proxy-sync")
         .enable_all()
