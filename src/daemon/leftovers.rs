@@ -26,6 +26,12 @@
 //!   mode's ipsets and iptables rules go at once, but for the chains and jumps iptables mode
 //!   now uses under the same names.
 //!
+//! - **The iptables backend not chosen.** Rules of ours in the backend the daemon did not choose
+//!   (legacy or nft: `iptables::backend`) were left by a run that programmed the other one (an
+//!   earlier image whose backend script kubeadm's `command:` bypassed): their DNAT could still
+//!   catch new connections. They go like another mode's rules, once ours are in place; kubelet's
+//!   chains there stay.
+//!
 //! While a ClusterIP stays bound for a draining connection, the node's own services answer
 //! on it (IPVS mode's KUBE-IPVS-FILTER, which rejected that, went with the other rules).
 //! `--cleanup` removes everything at once ([`super::modes::cleanup_all`]).
@@ -94,6 +100,8 @@ pub struct OtherModes {
     ipvs: bool,
     /// Families in which iptables mode left rules that the running mode does not have.
     iptables: Vec<IpFamily>,
+    /// Families in which the backend not chosen holds rules of ours (either mode's).
+    stale_backend: Vec<(Backend, IpFamily)>,
 }
 
 impl OtherModes {
@@ -127,6 +135,7 @@ impl OtherModes {
             nftables,
             ipvs,
             iptables,
+            stale_backend: stale_backend(backend),
         };
         let modes = found.modes();
         if modes.is_empty() {
@@ -149,6 +158,9 @@ impl OtherModes {
         }
         if !self.iptables.is_empty() {
             v.push("iptables");
+        }
+        if !self.stale_backend.is_empty() {
+            v.push("our rules in the iptables backend not chosen");
         }
         v
     }
@@ -193,6 +205,40 @@ fn plural(n: usize) -> &'static str {
     if n == 1 { "" } else { "s" }
 }
 
+/// The families in which the backend other than `chosen` holds chains of ours. Read with a
+/// whole `iptables-save` (one table's would create it in a backend the kernel does not use).
+fn stale_backend(chosen: Backend) -> Vec<(Backend, IpFamily)> {
+    let other = match chosen {
+        Backend::Legacy => Backend::Nft,
+        Backend::Nft => Backend::Legacy,
+        Backend::Plain => return Vec::new(),
+    };
+    families(ProxyMode::Iptables, other)
+        .into_iter()
+        .filter(|&f| {
+            let saved = crate::exec::run(&other.tool(f, "-save"), &[] as &[&str], None).unwrap_or_default();
+            holds_ours(&saved)
+        })
+        .map(|f| (other, f))
+        .collect()
+}
+
+/// Whether an `iptables-save` output declares a chain of iptables or IPVS mode.
+fn holds_ours(saved: &str) -> bool {
+    let (ipt, ipvs) = (iptables_footprint(), IptablesFootprint::ipvs());
+    let mut table = "";
+    saved.lines().any(|line| {
+        if let Some(t) = line.strip_prefix('*') {
+            table = t.trim();
+            return false;
+        }
+        let Some(chain) = line.strip_prefix(':').and_then(|r| r.split_whitespace().next()) else {
+            return false;
+        };
+        (ipt.owns)(table, chain) || (ipvs.owns)(table, chain)
+    })
+}
+
 /// Whether IPVS mode left state: `kube-ipvs0`, or its iptables rules in a family.
 fn ipvs_present(backend: Backend) -> bool {
     HostExec.link_exists(DUMMY_DEVICE).unwrap_or(false)
@@ -232,6 +278,22 @@ impl Leftovers for OtherModes {
             }
             for e in &errors {
                 left.push(format!("iptables mode ({family}): {e}"));
+            }
+            !errors.is_empty()
+        });
+        self.stale_backend.retain(|&(other, family)| {
+            let mut ipt = Exec::new(other, family);
+            let mut errors = remove_iptables(&mut ipt, &iptables_footprint(), &IptablesFootprint::none());
+            errors.extend(remove_iptables(
+                &mut ipt,
+                &IptablesFootprint::ipvs(),
+                &IptablesFootprint::none(),
+            ));
+            if errors.is_empty() {
+                info!(backend = %other, ip_family = %family, "Removed our rules from the iptables backend not chosen");
+            }
+            for e in &errors {
+                left.push(format!("iptables backend {other} ({family}): {e}"));
             }
             !errors.is_empty()
         });
