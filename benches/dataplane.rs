@@ -69,6 +69,7 @@ use std::time::{Duration, Instant};
 
 use kube_proxy::config::LocalDetector;
 use kube_proxy::iptables::IptablesRenderOptions;
+use kube_proxy::iptables::backend::Backend;
 use kube_proxy::iptables::exec::Exec;
 use kube_proxy::iptables::proxier::IptablesProxier;
 use kube_proxy::lab::netns::{ChildGuard, Netns};
@@ -497,8 +498,9 @@ fn latency_case(mode: Mode, services: usize, endpoints: usize, c: &Connects) -> 
     let node = bed.node.name().to_string();
     let t = Instant::now();
     let result = in_netns(&node, || match mode {
+        // The plain tools, which the check of the programmed rules reads (`iptables-save`).
         Mode::Iptables => IptablesProxier::new(
-            Exec::new(IpFamily::V4),
+            Exec::new(Backend::Plain, IpFamily::V4),
             IptablesRenderOptions {
                 common: opts(),
                 ..IptablesRenderOptions::default()
@@ -813,7 +815,8 @@ fn rss_case(mode: Mode, dir: &Path, services: usize, files: usize, changes: usiz
         dir.display().to_string(),
     ];
     let proxy_mode = kube_proxy::config::ProxyMode::parse(mode.as_str()).expect("a proxy mode");
-    let families: BTreeSet<&str> = kube_proxy::daemon::modes::families(proxy_mode)
+    // nft: what the daemon chooses in a node namespace without rules.
+    let families: BTreeSet<&str> = kube_proxy::daemon::modes::families(proxy_mode, Backend::Nft)
         .iter()
         .map(|f| match f {
             IpFamily::V4 => "IPv4",

@@ -5,7 +5,10 @@
 //! - `iptables-restore` alone on the same input in a fresh namespace (the kernel's floor);
 //! - a cold full sync by the proxier (empty namespace → every rule live);
 //! - a periodic full re-sync on the loaded table;
-//! - one endpoint change made live by a partial sync, p50/p99 over `CHANGES` (default 100).
+//! - one endpoint change made live by a partial sync, p50/p99 over `CHANGES` (default 100);
+//! - a Service losing its last endpoint and getting it back (each a partial sync that edits
+//!   one KUBE-SERVICES rule in place), p50/p99 over `ZEROS` (default 20) round trips, and
+//!   its ratio to one endpoint change.
 //!
 //! Run with `cargo bench --bench sync` (as root); `REPS` (default 3) sets the repetitions of
 //! the floor and the cold sync.
@@ -15,6 +18,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kube_proxy::config::LocalDetector;
+use kube_proxy::iptables::backend::Backend;
 use kube_proxy::iptables::exec::{Exec, Fake};
 use kube_proxy::iptables::proxier::IptablesProxier;
 use kube_proxy::iptables::{IptablesRenderOptions, render};
@@ -73,7 +77,8 @@ fn main() {
     // Floor and cold sync alternate, each in a fresh namespace; medians of `REPS` runs.
     let reps = env("REPS", 3).max(1);
     let (mut floors, mut colds) = (Vec::new(), Vec::new());
-    let mut proxier = IptablesProxier::new(Exec::new(IpFamily::V4), opts());
+    // The plain tools, the ones the floor runs (`iptables-restore`).
+    let mut proxier = IptablesProxier::new(Exec::new(Backend::Plain, IpFamily::V4), opts());
     for _ in 0..reps {
         fresh_namespace();
         let t = Instant::now();
@@ -81,7 +86,7 @@ fn main() {
         floors.push(t.elapsed());
 
         fresh_namespace();
-        proxier = IptablesProxier::new(Exec::new(IpFamily::V4), opts());
+        proxier = IptablesProxier::new(Exec::new(Backend::Plain, IpFamily::V4), opts());
         let t = Instant::now();
         let report = proxier.sync(&state).expect("cold full sync");
         colds.push(t.elapsed());
@@ -130,11 +135,42 @@ fn main() {
         assert!(!r.full && r.rewritten_services == 1, "{r:?}");
     }
     times.sort();
+    let change_p50 = percentile(&times, 0.5);
     println!(
         "{:<48} {:>12}   p99 {}  (n = {changes})",
         "one endpoint change, partial sync p50",
-        ms(percentile(&times, 0.5)),
+        ms(change_p50),
         ms(percentile(&times, 0.99))
+    );
+
+    // A Service to zero endpoints and back: each direction timed on its own.
+    let zeros = env("ZEROS", 20);
+    let mut zero_times = Vec::with_capacity(2 * zeros);
+    for round in 0..zeros {
+        let idx = (round * 104_729 + 13) % services;
+        let kept = current.service_ports[idx].endpoints.clone();
+        std::sync::Arc::make_mut(&mut current.service_ports[idx])
+            .endpoints
+            .clear();
+        let t = Instant::now();
+        let r = proxier.sync(&current).expect("to zero endpoints");
+        zero_times.push(t.elapsed());
+        assert!(!r.full, "{r:?}");
+        std::sync::Arc::make_mut(&mut current.service_ports[idx]).endpoints = kept;
+        let t = Instant::now();
+        let r = proxier.sync(&current).expect("back from zero");
+        zero_times.push(t.elapsed());
+        assert!(!r.full, "{r:?}");
+    }
+    zero_times.sort();
+    let zero_p50 = percentile(&zero_times, 0.5);
+    println!(
+        "{:<48} {:>12}   p99 {}  (n = {}; {:.2}x one endpoint change)",
+        "to zero endpoints or back, partial sync p50",
+        ms(zero_p50),
+        ms(percentile(&zero_times, 0.99)),
+        zero_times.len(),
+        zero_p50.as_secs_f64() / change_p50.as_secs_f64()
     );
     let nat = Command::new("iptables-save")
         .args(["-t", "nat"])

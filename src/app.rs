@@ -111,7 +111,9 @@ pub fn trace_live(cfg: &ProxyConfig, packet: &Packet) -> Result<Trace, TraceFail
             .filter(|a| family.contains(a))
             .collect(),
     };
-    let mut ipt = crate::iptables::exec::Exec::new(family);
+    // The backend the daemon chooses on this node (the same rules decide).
+    let backend = iptables::backend::detect(&mut iptables::backend::Host).backend;
+    let mut ipt = crate::iptables::exec::Exec::new(backend, family);
     Ok(match cfg.mode {
         ProxyMode::Iptables => {
             let ruleset = iptables::readback::live_ruleset(&mut ipt).map_err(|e| live(&e))?;

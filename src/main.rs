@@ -99,7 +99,7 @@ fn daemon(cfg: ProxyConfig, flags: DaemonFlags) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     if flags.cleanup == Some(true) {
-        let errors = kube_proxy::daemon::cleanup_all();
+        let errors = kube_proxy::daemon::cleanup_all(kube_proxy::iptables::backend::detect_and_log());
         for e in &errors {
             eprintln!("error: cleanup: {e}");
         }

@@ -12,14 +12,23 @@
 //! unregistered component-base metric). Label vectors export nothing until a child is created,
 //! exactly like client_golang, so a fresh process shows only the unlabelled families.
 //!
-//! Not covered here: the nfacct-backed custom collectors
+//! Besides them, what component-base adds to every component: `kubernetes_build_info` (this
+//! binary's version, [`BuildInfo`]) and `kubernetes_feature_enabled` (the feature gates, set by
+//! [`Metrics::record_feature_gates`]); and iptables mode's two nfacct-backed counters
 //! (`kubeproxy_iptables_ct_state_invalid_dropped_packets_total`,
-//! `kubeproxy_iptables_localhost_nodeports_accepted_packets_total`), component-base's
-//! `kubernetes_build_info`/`kubernetes_feature_enabled`, client-go's `rest_client_*` and Go's
-//! `go_*` runtime metrics.
+//! `kubeproxy_iptables_localhost_nodeports_accepted_packets_total`), read from the kernel at
+//! every scrape once [`Metrics::register_nfacct`] has them.
+//!
+//! Not covered here: client-go's `rest_client_*` and Go's `go_*` runtime metrics.
 
-use prometheus::core::Collector;
+use std::sync::Mutex;
+
+use prometheus::core::{Collector, Desc};
 use prometheus::proto::{LabelPair, Metric, MetricFamily, MetricType};
+
+use crate::config::GateState;
+use crate::iptables::nfacct::Nfacct;
+use crate::iptables::render::{NFACCT_CT_STATE_INVALID, NFACCT_LOCALHOST_NODEPORTS};
 use prometheus::{Counter, CounterVec, Gauge, GaugeVec, HistogramOpts, HistogramVec, Opts, Registry};
 
 /// upstream's `kubeProxySubsystem`.
@@ -82,6 +91,8 @@ pub struct Metrics {
     pub conntrack_reconciler_sync_duration: HistogramVec,
     /// `conntrack_reconciler_deleted_entries_total{ip_family}`.
     pub conntrack_reconciler_deleted_entries_total: CounterVec,
+    /// component-base's `kubernetes_feature_enabled{name,stage}`: 1 for an enabled gate, else 0.
+    pub feature_enabled: GaugeVec,
 }
 
 // === impl Metrics ===
@@ -191,9 +202,50 @@ impl Metrics {
                 "Cumulative conntrack flows deleted by conntrack reconciler",
                 &[IP_FAMILY],
             ),
+            feature_enabled: component_base_gauge(
+                "kubernetes_feature_enabled",
+                "[BETA] This metric records the data about the stage and enablement of a k8s feature.",
+                &["name", "stage"],
+            ),
         };
         m.register_for_mode(mode);
+        m.register_component_base();
         m
+    }
+
+    /// `kubernetes_build_info` (constant 1, labelled with [`BuildInfo::current`]) and
+    /// `kubernetes_feature_enabled`, which component-base registers for every component.
+    fn register_component_base(&self) {
+        let build_info = component_base_gauge(
+            "kubernetes_build_info",
+            "[BETA] A metric with a constant '1' value labeled by major, minor, git version, git commit, git tree state, build date, Go version, and compiler from which Kubernetes was built, and platform on which it is running.",
+            &BuildInfo::LABELS,
+        );
+        build_info.with_label_values(&BuildInfo::current().values()).set(1.0);
+        for c in [build_info, self.feature_enabled.clone()] {
+            if let Err(err) = self.registry.register(Box::new(c)) {
+                tracing::error!(%err, "failed to register a component-base metric");
+            }
+        }
+    }
+
+    /// Sets `kubernetes_feature_enabled` to the gates in effect (component-base's `AddMetrics`).
+    pub fn record_feature_gates(&self, gates: &[GateState]) {
+        for g in gates {
+            let v = if g.enabled { 1.0 } else { 0.0 };
+            self.feature_enabled
+                .with_label_values(&[g.name.as_str(), g.stage])
+                .set(v);
+        }
+    }
+
+    /// Exports iptables mode's nfacct counters, read through `nfacct` at every scrape (upstream's
+    /// custom collectors). Call it only once the counters exist.
+    pub fn register_nfacct(&self, nfacct: Box<dyn Nfacct>) {
+        let collector = NfacctCollector::new(nfacct);
+        if let Err(err) = self.registry.register(Box::new(collector)) {
+            tracing::error!(%err, "failed to register the nfacct metrics");
+        }
     }
 
     /// The registry behind `/metrics`; other components may register their own collectors.
@@ -263,6 +315,134 @@ impl Metrics {
     }
 }
 
+/// What `kubernetes_build_info` says about this binary: kube-proxy-rs' own version in
+/// component-base's labels. The git and date labels come from the build's environment
+/// (`KUBE_PROXY_GIT_COMMIT`, `KUBE_PROXY_GIT_TREE_STATE`, `KUBE_PROXY_BUILD_DATE`), else hold
+/// upstream's values for an unstamped build; `compiler` is `rustc`, and `go_version` is empty.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BuildInfo {
+    pub major: String,
+    pub minor: String,
+    pub git_version: String,
+    pub git_commit: String,
+    pub git_tree_state: String,
+    pub build_date: String,
+    pub go_version: String,
+    pub compiler: String,
+    pub platform: String,
+}
+
+impl BuildInfo {
+    /// component-base's label names, in its order.
+    pub const LABELS: [&'static str; 9] = [
+        "major", "minor", "git_version", "git_commit", "git_tree_state", "build_date", "go_version", "compiler",
+        "platform",
+    ];
+
+    pub fn current() -> BuildInfo {
+        BuildInfo {
+            major: env!("CARGO_PKG_VERSION_MAJOR").into(),
+            minor: env!("CARGO_PKG_VERSION_MINOR").into(),
+            git_version: concat!("v", env!("CARGO_PKG_VERSION")).into(),
+            git_commit: option_env!("KUBE_PROXY_GIT_COMMIT").unwrap_or("").into(),
+            git_tree_state: option_env!("KUBE_PROXY_GIT_TREE_STATE").unwrap_or("").into(),
+            build_date: option_env!("KUBE_PROXY_BUILD_DATE")
+                .unwrap_or("1970-01-01T00:00:00Z")
+                .into(),
+            go_version: String::new(),
+            compiler: "rustc".into(),
+            platform: format!("{}/{}", std::env::consts::OS, go_arch(std::env::consts::ARCH)),
+        }
+    }
+
+    /// The label values, in [`BuildInfo::LABELS`] order.
+    pub fn values(&self) -> [&str; 9] {
+        [
+            &self.major, &self.minor, &self.git_version, &self.git_commit, &self.git_tree_state, &self.build_date,
+            &self.go_version, &self.compiler, &self.platform,
+        ]
+    }
+}
+
+/// Go's `GOARCH` spelling of Rust's target architecture (what `platform` reads as upstream).
+fn go_arch(arch: &str) -> &str {
+    match arch {
+        "x86_64" => "amd64",
+        "x86" => "386",
+        "aarch64" => "arm64",
+        "powerpc64" if cfg!(target_endian = "little") => "ppc64le",
+        other => other,
+    }
+}
+
+/// The two nfacct counters of iptables mode, with upstream's names and HELP texts.
+const NFACCT_METRICS: [(&str, &str, &str); 2] = [
+    (
+        NFACCT_CT_STATE_INVALID,
+        "kubeproxy_iptables_ct_state_invalid_dropped_packets_total",
+        "[ALPHA] packets dropped by iptables to work around conntrack problems",
+    ),
+    (
+        NFACCT_LOCALHOST_NODEPORTS,
+        "kubeproxy_iptables_localhost_nodeports_accepted_packets_total",
+        "[ALPHA] Number of packets accepted on nodeports of loopback interface",
+    ),
+];
+
+/// Reads the nfacct counters at every scrape, as upstream's custom collectors do; a counter
+/// that cannot be read is left out of that scrape (and logged).
+struct NfacctCollector {
+    nfacct: Mutex<Box<dyn Nfacct>>,
+    descs: Vec<Desc>,
+}
+
+impl NfacctCollector {
+    fn new(nfacct: Box<dyn Nfacct>) -> NfacctCollector {
+        let descs = NFACCT_METRICS
+            .iter()
+            .filter_map(|(_, name, help)| {
+                Desc::new(name.to_string(), help.to_string(), vec![], Default::default()).ok()
+            })
+            .collect();
+        NfacctCollector {
+            nfacct: Mutex::new(nfacct),
+            descs,
+        }
+    }
+}
+
+impl Collector for NfacctCollector {
+    fn desc(&self) -> Vec<&Desc> {
+        self.descs.iter().collect()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        let mut nfacct = self.nfacct.lock().unwrap_or_else(|e| e.into_inner());
+        let mut families = Vec::new();
+        for (counter, name, help) in NFACCT_METRICS {
+            match nfacct.get(counter) {
+                Ok(c) => families.push(counter_family(name, help, c.packets as f64)),
+                Err(err) => tracing::error!(%err, counter, "failed to collect nfacct counter"),
+            }
+        }
+        families
+    }
+}
+
+/// A family of one unlabelled counter sample.
+fn counter_family(name: &str, help: &str, value: f64) -> MetricFamily {
+    let mut c = prometheus::proto::Counter::default();
+    c.set_value(value);
+    let mut m = Metric::default();
+    m.set_counter(c);
+    let mut mf = MetricFamily::default();
+    mf.set_name(name.to_string());
+    mf.set_help(help.to_string());
+    mf.set_field_type(MetricType::COUNTER);
+    mf.set_metric(vec![m]);
+    mf
+}
+
 impl std::fmt::Debug for Metrics {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Metrics").finish_non_exhaustive()
@@ -285,6 +465,11 @@ fn histogram(name: &str, help: &str, buckets: &[f64], labels: &[&str]) -> Histog
         .subsystem(SUBSYSTEM)
         .buckets(buckets.to_vec());
     HistogramVec::new(o, labels).expect("static histogram definition is valid")
+}
+
+/// A component-base gauge: no subsystem, the stability prefix already in `help`.
+fn component_base_gauge(name: &str, help: &str, labels: &[&str]) -> GaugeVec {
+    GaugeVec::new(Opts::new(name, help), labels).expect("static gauge definition is valid")
 }
 
 fn gauge_vec(name: &str, help: &str, labels: &[&str]) -> GaugeVec {
@@ -683,6 +868,74 @@ mod tests {
             .encode_to_string(&families)
             .expect("encodes");
         assert_eq!(ours, theirs);
+    }
+
+    #[test]
+    fn component_base_metrics_are_exported_as_component_base_writes_them() {
+        let m = Metrics::new("nftables");
+        m.record_feature_gates(&[
+            GateState {
+                name: "LoggingAlphaOptions".into(),
+                stage: "ALPHA",
+                enabled: false,
+            },
+            GateState {
+                name: "NFTablesProxyMode".into(),
+                stage: "",
+                enabled: true,
+            },
+        ]);
+        let text = m.encode();
+        let b = BuildInfo::current();
+        for line in [
+            "# HELP kubernetes_build_info [BETA] A metric with a constant '1' value labeled by major, minor, git version, git commit, git tree state, build date, Go version, and compiler from which Kubernetes was built, and platform on which it is running.\n# TYPE kubernetes_build_info gauge\n".to_string(),
+            format!(
+                "kubernetes_build_info{{build_date=\"{}\",compiler=\"rustc\",git_commit=\"{}\",git_tree_state=\"{}\",git_version=\"v{}\",go_version=\"\",major=\"{}\",minor=\"{}\",platform=\"{}\"}} 1\n",
+                b.build_date,
+                b.git_commit,
+                b.git_tree_state,
+                env!("CARGO_PKG_VERSION"),
+                b.major,
+                b.minor,
+                b.platform
+            ),
+            "# HELP kubernetes_feature_enabled [BETA] This metric records the data about the stage and enablement of a k8s feature.\n# TYPE kubernetes_feature_enabled gauge\n".to_string(),
+            "kubernetes_feature_enabled{name=\"LoggingAlphaOptions\",stage=\"ALPHA\"} 0\nkubernetes_feature_enabled{name=\"NFTablesProxyMode\",stage=\"\"} 1\n".to_string(),
+        ] {
+            assert!(text.contains(&line), "missing {line}in:\n{text}");
+        }
+        if cfg!(all(target_os = "linux", target_arch = "x86_64")) {
+            assert_eq!(b.platform, "linux/amd64");
+        }
+    }
+
+    #[test]
+    fn nfacct_counters_are_read_at_every_scrape() {
+        use crate::iptables::nfacct::Fake;
+        let m = Metrics::new("iptables");
+        assert!(
+            !m.encode().contains("kubeproxy_iptables_ct_state"),
+            "absent until registered"
+        );
+        let mut fake = Fake::default();
+        fake.counters.insert(NFACCT_CT_STATE_INVALID.into(), 7);
+        fake.counters.insert(NFACCT_LOCALHOST_NODEPORTS.into(), 2);
+        m.register_nfacct(Box::new(fake));
+        let text = m.encode();
+        for line in [
+            "# HELP kubeproxy_iptables_ct_state_invalid_dropped_packets_total [ALPHA] packets dropped by iptables to work around conntrack problems\n# TYPE kubeproxy_iptables_ct_state_invalid_dropped_packets_total counter\nkubeproxy_iptables_ct_state_invalid_dropped_packets_total 7\n",
+            "# HELP kubeproxy_iptables_localhost_nodeports_accepted_packets_total [ALPHA] Number of packets accepted on nodeports of loopback interface\n# TYPE kubeproxy_iptables_localhost_nodeports_accepted_packets_total counter\nkubeproxy_iptables_localhost_nodeports_accepted_packets_total 2\n",
+        ] {
+            assert!(text.contains(line), "missing {line}in:\n{text}");
+        }
+        // A counter the kernel cannot report is left out of the scrape; the rest still shows.
+        let m = Metrics::new("iptables");
+        let mut fake = Fake::default();
+        fake.counters.insert(NFACCT_LOCALHOST_NODEPORTS.into(), 1);
+        m.register_nfacct(Box::new(fake));
+        let text = m.encode();
+        assert!(!text.contains("kubeproxy_iptables_ct_state_invalid"), "{text}");
+        assert!(text.contains("kubeproxy_iptables_localhost_nodeports_accepted_packets_total 1\n"));
     }
 
     #[test]

@@ -1,22 +1,22 @@
 //! End-to-end with the Kubernetes API source: the real daemon watches a test API server
 //! (tests/support/apiserver.rs, listening inside the node namespace of a test bed) through a
 //! generated kubeconfig, and real traffic checks the outcome. Also the healthz, metrics and
-//! health-check node port servers, over real HTTP.
+//! health-check node port servers, over real HTTP, and ServiceCIDRs from the API (v1, and
+//! v1beta1 where v1 is not served) in nftables mode's cluster-ips check.
 
 mod common;
 
 #[path = "support/apiserver/mod.rs"]
 mod apiserver;
 
-use std::io::{Read, Write};
-use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
 
 use apiserver::ApiServer;
 use common::netns::in_netns;
-use common::wait_until_every;
+use common::{http_get, wait_until_every};
 use kube_proxy::iptables::names;
 use kube_proxy::lab::netns::ChildGuard;
 use kube_proxy::lab::probe::ProbeArgs;
@@ -26,23 +26,6 @@ use serde_json::{Value, json};
 static SERIAL: Mutex<()> = Mutex::new(());
 const BIN: &str = env!("CARGO_BIN_EXE_kube-proxy");
 const SYNC_PERIOD_S: u64 = 2;
-
-/// `GET path` over plain HTTP/1.0 from inside `ns`: (status, body).
-fn http_get(ns: &str, addr: SocketAddr, path: &str) -> Option<(u16, String)> {
-    in_netns(ns, || {
-        let mut s = TcpStream::connect_timeout(&addr, Duration::from_millis(500)).ok()?;
-        s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
-        write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").ok()?;
-        let mut text = String::new();
-        s.read_to_string(&mut text).ok()?;
-        let status = text.split_whitespace().nth(1)?.parse().ok()?;
-        let body = text
-            .split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_string())
-            .unwrap_or_default();
-        Some((status, body))
-    })
-}
 
 /// How often the tests poll for a change.
 const POLL: Duration = Duration::from_millis(50);
@@ -77,7 +60,7 @@ struct Cluster {
     bed: Testbed,
     api: ApiServer,
     _kubeconfig: TempFile,
-    _daemon: ChildGuard,
+    daemon: ChildGuard,
 }
 
 struct TempFile(PathBuf);
@@ -89,6 +72,11 @@ impl Drop for TempFile {
 
 impl Cluster {
     fn start(tag: &str, endpoints: usize, setup: impl FnOnce(&ApiServer, &Testbed)) -> Cluster {
+        Cluster::start_with(tag, endpoints, &[], setup)
+    }
+
+    /// As [`Cluster::start`], with more daemon flags.
+    fn start_with(tag: &str, endpoints: usize, flags: &[&str], setup: impl FnOnce(&ApiServer, &Testbed)) -> Cluster {
         let mut spec = TestbedSpec::new(format!("kpa-{tag}"), BIN);
         spec.endpoints = endpoints;
         let bed = Testbed::build(&spec).expect("test bed");
@@ -105,6 +93,7 @@ impl Cluster {
             &format!("--kubeconfig={}", kubeconfig.0.display()),
         ]
         .iter()
+        .chain(flags)
         .map(|s| s.to_string())
         .collect();
         let daemon = bed.spawn_in_node(Path::new(BIN), &args).expect("daemon starts");
@@ -115,7 +104,7 @@ impl Cluster {
             bed,
             api,
             _kubeconfig: kubeconfig,
-            _daemon: daemon,
+            daemon,
         }
     }
 
@@ -329,10 +318,185 @@ fn health_check_node_port_and_metrics_over_http() {
     assert_eq!(mode, "iptables");
 }
 
+/// An address of a ServiceCIDR that is no ClusterIP, and one outside every ServiceCIDR at
+/// first. Both sit on the outside host with a server behind them: the node routes traffic to
+/// them out of its default route, as a real node leaks traffic to unallocated ClusterIPs, so
+/// without a drop the connection is answered by "outside", and with it it times out.
+const UNALLOCATED: &str = "10.96.200.200:8080";
+const OTHER_RANGE: &str = "10.97.0.50:8080";
+
+fn service_cidr(name: &str, cidrs: &[&str]) -> Value {
+    json!({"apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR", "metadata": {"name": name},
+           "spec": {"cidrs": cidrs}})
+}
+
+/// A Cluster in nftables mode whose API server does not serve the API versions `unserved`: the
+/// Service web (10.96.165.10) with one endpoint, and the ServiceCIDR kubernetes (10.96.0.0/16);
+/// the outside host answers on [`UNALLOCATED`] and [`OTHER_RANGE`].
+fn nftables_cluster(tag: &str, unserved: &[&str]) -> (Cluster, ChildGuard) {
+    let c = Cluster::start_with(tag, 1, &["--proxy-mode=nftables"], |api, bed| {
+        for version in unserved {
+            api.set_served(version, false);
+        }
+        api.apply(service("web", "10.96.165.10", json!({})));
+        api.apply(slice("web", &[(bed.endpoint(0).ip, "node-a")]));
+        api.apply(service_cidr("kubernetes", &["10.96.0.0/16"]));
+    });
+    for addr in [UNALLOCATED, OTHER_RANGE] {
+        let ip = addr.split(':').next().unwrap_or_default();
+        c.bed
+            .outside
+            .exec_ok("ip", ["addr", "add", &format!("{ip}/32"), "dev", "lo"])
+            .expect("address on the outside host");
+    }
+    let args: Vec<String> = ["lab", "serve", "--name", "outside", "--port", "8080"]
+        .map(String::from)
+        .into();
+    let outside = c
+        .bed
+        .spawn_in(&c.bed.outside, Path::new(BIN), &args)
+        .expect("outside server");
+    (c, outside)
+}
+
+impl Cluster {
+    /// Who answers one TCP connection from the client pod to `to`: the server's name, or the
+    /// error (`timeout` when dropped, `refused` when rejected).
+    fn answer(&self, to: &str) -> String {
+        let r = self
+            .bed
+            .probe(
+                &self.bed.client,
+                &ProbeArgs::tcp(to.parse().unwrap()).with_count(1).with_timeout_ms(300),
+            )
+            .expect("probe");
+        let a = r.attempts.first().expect("one attempt");
+        a.name.clone().or_else(|| a.error.clone()).unwrap_or_default()
+    }
+
+    fn cluster_ips_check(&self) -> String {
+        self.bed
+            .node
+            .exec_ok("nft", ["list", "chain", "ip", "kube-proxy", "cluster-ips-check"])
+            .expect("nft list chain")
+    }
+}
+
+/// Waits until a connection to `to` is answered as `want` (a server name, `timeout`, `refused`).
+fn wait_for_answer(c: &Cluster, to: &str, want: &str, what: &str) {
+    let mut last = String::new();
+    let took = wait_until_every(POLL, Duration::from_secs(15), what, || {
+        last = c.answer(to);
+        last == want
+    });
+    println!("{what}: {to} -> {last} after {took:?}");
+}
+
+fn service_cidrs_from_the_api_reach_the_kernel() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (c, _outside) = nftables_cluster("cidr", &[]);
+    wait_for_answer(&c, OTHER_RANGE, "outside", "outside every ServiceCIDR: delivered");
+    wait_for_answer(&c, UNALLOCATED, "timeout", "an unallocated ClusterIP: dropped");
+    assert_eq!(c.answer("10.96.165.10:80"), "ep1", "an allocated ClusterIP is served");
+    assert_eq!(
+        c.answer("10.96.165.10:81"),
+        "refused",
+        "an undefined port of it is rejected"
+    );
+    assert_eq!(c.answer(OTHER_RANGE), "outside", "still delivered");
+    // Added while running: its unallocated addresses are dropped too.
+    c.api.apply(service_cidr("extra", &["10.97.0.0/24"]));
+    wait_for_answer(&c, OTHER_RANGE, "timeout", "a ServiceCIDR added live: dropped");
+    // Removed while running: its addresses are no longer ours.
+    c.api.delete("ServiceCIDR", "", "kubernetes");
+    wait_for_answer(&c, UNALLOCATED, "outside", "a ServiceCIDR removed live: delivered");
+    assert_eq!(c.answer("10.96.165.10:80"), "ep1", "the Service is unaffected");
+    assert_eq!(c.answer(OTHER_RANGE), "timeout", "the other ServiceCIDR still drops");
+    let chain = c.cluster_ips_check();
+    assert!(
+        chain.contains("10.97.0.0/24") && !chain.contains("10.96.0.0"),
+        "{chain}"
+    );
+    // A Service and endpoint of a legacy object (leading zeros, read in decimal): served,
+    // and its ClusterIP is an allocated one, not dropped.
+    let ep = c.bed.endpoint(0).ip;
+    let IpAddr::V4(ep4) = ep else { panic!("IPv4 test bed") };
+    let zeros = ep4.octets().map(|o| format!("{o:03}")).join(".");
+    c.api.apply(service("legacy", "10.96.165.011", json!({})));
+    let mut legacy = slice("legacy", &[(ep, "node-a")]);
+    legacy["endpoints"][0]["addresses"] = json!([zeros]);
+    c.api.apply(legacy);
+    c.api.apply(service_cidr("kubernetes", &["010.096.000.000/016"]));
+    wait_for_answer(&c, "10.96.165.11:80", "ep1", "a legacy Service (10.96.165.011)");
+    wait_for_answer(&c, UNALLOCATED, "timeout", "a legacy ServiceCIDR (010.096.000.000/016)");
+    let chain = c.cluster_ips_check();
+    assert!(
+        chain.contains("10.96.0.0-10.97.0.255"),
+        "the two, adjacent, merged: {chain}"
+    );
+    let requests = c.api.requests().join("\n");
+    assert!(
+        requests.contains("GET /apis/networking.k8s.io/v1/servicecidrs?")
+            && !requests.contains("/apis/networking.k8s.io/v1beta1/"),
+        "v1 is served: no fallback\n{requests}"
+    );
+}
+
+fn service_cidrs_fall_back_to_v1beta1_where_v1_is_not_served() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (c, _outside) = nftables_cluster("cidrb", &["networking.k8s.io/v1"]);
+    c.daemon
+        .wait_for_log(
+            "networking.k8s.io/v1 ServiceCIDRs are not served; watching networking.k8s.io/v1beta1",
+            Duration::from_secs(10),
+        )
+        .expect("the fallback is logged");
+    wait_for_answer(&c, OTHER_RANGE, "outside", "outside every ServiceCIDR: delivered");
+    wait_for_answer(
+        &c,
+        UNALLOCATED,
+        "timeout",
+        "an unallocated ClusterIP (v1beta1): dropped",
+    );
+    assert_eq!(c.answer("10.96.165.10:80"), "ep1", "an allocated ClusterIP is served");
+    c.api.apply(service_cidr("extra", &["10.97.0.0/24"]));
+    wait_for_answer(
+        &c,
+        OTHER_RANGE,
+        "timeout",
+        "a ServiceCIDR added live (v1beta1): dropped",
+    );
+    let requests = c.api.requests().join("\n");
+    assert!(
+        requests.contains("GET /apis/networking.k8s.io/v1/servicecidrs?")
+            && requests.contains("GET /apis/networking.k8s.io/v1beta1/servicecidrs?")
+            && requests.contains("watch=true"),
+        "{requests}"
+    );
+    // Neither version served any more: said once; the CIDRs the proxy has stay programmed
+    // (a source never withdraws what it cannot read), and nothing polls in a loop.
+    c.api.set_served("networking.k8s.io/v1beta1", false);
+    c.daemon
+        .wait_for_log(
+            "ServiceCIDRs are not served (neither networking.k8s.io/v1 nor v1beta1)",
+            Duration::from_secs(10),
+        )
+        .expect("not served is logged");
+    c.api.clear_requests();
+    std::thread::sleep(Duration::from_millis(1500));
+    let asked = c.api.requests().iter().filter(|r| r.contains("servicecidrs")).count();
+    assert_eq!(asked, 0, "no request until the recheck: {:?}", c.api.requests());
+    assert_eq!(c.answer(UNALLOCATED), "timeout", "still dropped");
+    assert_eq!(c.answer("10.96.165.10:80"), "ep1");
+}
+
 common::harness::main! {
     &[Root, Tool("ip"), Tool("sysctl"), Tool("iptables"), Tool("iptables-save"), Tool("iptables-restore")] =>
         api_objects_reach_the_kernel_and_the_starting_event_is_sent,
         api_outage_with_410_converges_without_breaking_traffic,
         healthz_turns_503_while_changes_cannot_be_synced,
         health_check_node_port_and_metrics_over_http;
+    &[Root, Tool("ip"), Tool("sysctl"), Tool("nft")] =>
+        service_cidrs_from_the_api_reach_the_kernel,
+        service_cidrs_fall_back_to_v1beta1_where_v1_is_not_served;
 }

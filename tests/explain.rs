@@ -245,10 +245,14 @@ fn a_failing_sync_is_named_with_its_error() {
     let mut c = start("iptables", "fail", 1, |b| web(&all_local(b)));
     drop(c.daemon.take());
     // The node's iptables-restore refuses every input (as it does for a kernel without a
-    // match module): the daemon keeps the rules it had and reports the failure.
+    // match module): the daemon keeps the rules it had and reports the failure. (Whichever
+    // backend the daemon chooses: it calls that backend's tool by name.)
     let bin = c.config.0.join("bin");
     std::fs::create_dir_all(&bin).expect("bin dir");
-    for tool in ["iptables-restore", "ip6tables-restore"] {
+    let tools = ["iptables", "ip6tables"]
+        .into_iter()
+        .flat_map(|t| ["", "-nft", "-legacy"].map(|b| format!("{t}{b}-restore")));
+    for tool in tools {
         let script = bin.join(tool);
         std::fs::write(
             &script,

@@ -355,6 +355,21 @@ fn node_cases() -> Vec<Case> {
             "/portRange",
             json!("30000-32767"),
         ),
+        // Upstream takes these from Go's flag set; no setting of kube-proxy holds them.
+        (
+            "--boot-id-file",
+            Some("/proc/sys/kernel/random/boot_id"),
+            &[],
+            "/mode",
+            json!("iptables"),
+        ),
+        (
+            "--machine-id-file",
+            Some("/etc/machine-id,/var/lib/dbus/machine-id"),
+            &[],
+            "/mode",
+            json!("iptables"),
+        ),
     ]
 }
 
@@ -853,6 +868,8 @@ fn unimplemented_settings_warn_exactly_once() {
         (vec!["--proxy-port-range=30000-32767".into()], "--proxy-port-range"),
         (vec!["--healthz-port=0".into()], "--healthz-port"),
         (vec!["--metrics-port=0".into()], "--metrics-port"),
+        (vec!["--boot-id-file=/run/boot_id".into()], "--boot-id-file"),
+        (vec!["--machine-id-file=/etc/machine-id".into()], "--machine-id-file"),
         (vec!["--feature-gates=SomethingNew=true".into()], "SomethingNew"),
         (
             vec![
@@ -918,6 +935,62 @@ fn unimplemented_settings_warn_exactly_once() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn deprecated_port_flags_mean_what_upstream_means() {
+    let dir = scratch("ports");
+    // The port of an address that has none. The defaults have ports, so alone the flag
+    // changes nothing (upstream's default addresses are complete before the flag is applied).
+    let cfg = written(&dir, &["--metrics-port=10300"]).unwrap_or_else(|o| panic!("{}", o.stderr));
+    assert_eq!(at(&cfg, "/metricsBindAddress"), &json!("127.0.0.1:10249"));
+    let cfg = written(&dir, &["--metrics-port=10300", "--metrics-bind-address=0.0.0.0"])
+        .unwrap_or_else(|o| panic!("{}", o.stderr));
+    assert_eq!(at(&cfg, "/metricsBindAddress"), &json!("0.0.0.0:10300"));
+    let args = ["--healthz-port=10300", "--healthz-bind-address=127.0.0.1:9999"];
+    let cfg = written(&dir, &args).unwrap_or_else(|o| panic!("{}", o.stderr));
+    assert_eq!(at(&cfg, "/healthzBindAddress"), &json!("127.0.0.1:9999"));
+    let out = run(&[
+        args[0].to_string(),
+        args[1].to_string(),
+        format!("--write-config-to={}", dir.join("w.yaml").display()),
+    ]);
+    assert!(
+        out.stderr
+            .lines()
+            .any(|l| l.starts_with('W') && l.contains("--healthz-port") && l.contains("no effect")),
+        "{}",
+        out.stderr
+    );
+    // 0 disables the server; IPv6 addresses get brackets.
+    let cfg = written(
+        &dir,
+        &["--healthz-port=0", "--metrics-bind-address=::1", "--metrics-port=9"],
+    )
+    .unwrap_or_else(|o| panic!("{}", o.stderr));
+    assert_eq!(at(&cfg, "/healthzBindAddress"), &json!(""));
+    assert_eq!(at(&cfg, "/metricsBindAddress"), &json!("[::1]:9"));
+    // Like every flag but the logging ones and --hostname-override, ignored with --config.
+    let file = dir.join("c.yaml");
+    std::fs::write(
+        &file,
+        "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n",
+    )
+    .unwrap();
+    let cfg = written(
+        &dir,
+        &[format!("--config={}", file.display()), "--healthz-port=0".into()],
+    )
+    .unwrap_or_else(|o| panic!("{}", o.stderr));
+    assert_eq!(at(&cfg, "/healthzBindAddress"), &json!("0.0.0.0:10256"));
+    // Not a port: an error naming the flag.
+    let out = written(&dir, &["--metrics-port=70000"]).expect_err("out of range");
+    assert!(
+        out.stderr.contains("--metrics-port") && out.stderr.contains("70000"),
+        "{}",
+        out.stderr
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::netns::fresh_netns;
+use common::netns::{fresh_netns, in_fresh_netns};
 use common::*;
 use kube_proxy::lab::netns::Netns;
 
@@ -136,7 +136,72 @@ fn kernel_accepts_every_config_variant() {
     }
 }
 
+/// The chains KUBE-SERVICES and KUBE-NODEPORTS as `iptables-save` lists them.
+fn fixed_chains(saved: &str) -> Vec<String> {
+    saved
+        .lines()
+        .filter(|l| l.starts_with("-A KUBE-SERVICES ") || l.starts_with("-A KUBE-NODEPORTS "))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Partial syncs edit KUBE-SERVICES in place (`-D`/`-I`) when a Service gains or loses its
+/// last endpoint or comes and goes: the kernel accepts the edits, and after each sync the
+/// chains hold what a full render of the same state gives in a fresh namespace, in order.
+fn partial_syncs_edit_kube_services_in_place_as_a_full_render_would_write_it() {
+    use kube_proxy::iptables::backend::Backend;
+    use kube_proxy::iptables::exec::{Exec, Iptables};
+    use kube_proxy::iptables::proxier::IptablesProxier;
+    use kube_proxy::iptables::{IptablesRenderOptions, render};
+    use kube_proxy::model::testing::{port, state};
+    use kube_proxy::model::{IpFamily, Protocol};
+    let steps: [&[(u8, &[u8])]; 6] = [
+        &[(1, &[1]), (2, &[2, 3]), (3, &[])],
+        &[(1, &[]), (2, &[2, 3]), (3, &[])],
+        &[(1, &[1]), (2, &[2, 3]), (3, &[4])],
+        &[(1, &[1]), (3, &[4]), (4, &[5])],
+        &[(1, &[1]), (2, &[2]), (3, &[]), (4, &[5])],
+        &[(2, &[2])],
+    ];
+    let opts = IptablesRenderOptions::default();
+    let states: Vec<_> = steps
+        .iter()
+        .map(|step| {
+            let ports = step
+                .iter()
+                .map(|(i, eps)| port("ns", &format!("s{i}"), *i, Protocol::Tcp, eps))
+                .collect();
+            state(ports, &[])
+        })
+        .collect();
+    let incremental: Vec<Vec<String>> = in_fresh_netns(|| {
+        std::process::Command::new("ip")
+            .args(["link", "set", "lo", "up"])
+            .status()
+            .expect("ip");
+        let mut p = IptablesProxier::new(Exec::new(Backend::Plain, IpFamily::V4), opts.clone());
+        states
+            .iter()
+            .map(|st| {
+                let r = p.sync(st).unwrap_or_else(|e| panic!("sync: {e}"));
+                let saved = p.iptables().save("nat").expect("iptables-save");
+                assert!(r.full || !saved.is_empty());
+                fixed_chains(&saved)
+            })
+            .collect()
+    });
+    for (i, st) in states.iter().enumerate() {
+        let fresh = in_fresh_netns(|| {
+            let mut ipt = Exec::new(Backend::Plain, IpFamily::V4);
+            ipt.restore(&render(st, &opts).restore).expect("full render applies");
+            fixed_chains(&ipt.save("nat").expect("iptables-save"))
+        });
+        assert_eq!(incremental[i], fresh, "after step {i}");
+    }
+}
+
 common::harness::main! {
     &[Root, Tool("ip"), Tool("iptables-restore"), Tool("ip6tables-restore")]
-        => kernel_accepts_every_scenario, kernel_accepts_every_config_variant;
+        => kernel_accepts_every_scenario, kernel_accepts_every_config_variant,
+           partial_syncs_edit_kube_services_in_place_as_a_full_render_would_write_it;
 }

@@ -6,7 +6,8 @@
 //! the VM (`--exact ipvs_e2e_in_vm` with `KUBE_PROXY_IN_VM=1`), where the same test builds the
 //! namespace test bed of `tests/e2e.rs` (`kube_proxy::lab::testbed`), starts the real daemon in
 //! its node namespace with `--proxy-mode=ipvs --manifests`, and sends real traffic:
-//! - `/proxyMode` and the log say `ipvs`; the IPVS sysctls, strict ARP and the configured
+//! - `/proxyMode` and the log say `ipvs` (with upstream's "Using ipvs Proxier" and its deprecation
+//!   error line); the IPVS sysctls, strict ARP and the configured
 //!   timeouts are set in the node's namespace, and not in the guest's own;
 //! - rr: a ClusterIP's connections go round the endpoints in turn, exactly (and pass the
 //!   chi-square test of the iptables suite);
@@ -24,7 +25,9 @@
 //!   has closed;
 //! - a scheduler whose module is missing: the daemon refuses to start, naming it;
 //! - switching to iptables mode removes the virtual servers, `kube-ipvs0`, the ipsets and IPVS
-//!   mode's chains, and back to IPVS mode removes iptables mode's chains;
+//!   mode's chains once iptables mode is programmed (a virtual server with a live flow once
+//!   that has expired), and back to IPVS mode removes iptables mode's chains (the switch under
+//!   load is `tests/vm_switch_e2e.rs`);
 //! - UDP: a flow whose endpoint is removed moves to the live one (no draining for UDP);
 //! - a NodePort Service deleted while the daemon is down: the first sync after the restart
 //!   deletes its virtual servers on the node addresses, and leaves someone else's virtual
@@ -334,8 +337,28 @@ mod in_vm {
         assert!(out.status.success(), "{out:?}");
     }
 
-    /// Switching to iptables mode removes IPVS mode's state; the Services keep working.
+    /// Switching to iptables mode removes IPVS mode's state once iptables mode is programmed;
+    /// the Services keep working. A virtual server that still carries a flow (the UDP check's,
+    /// until IPVS's 30 s UDP timeout expires it) goes only then, with its address.
     fn iptables_mode_removed_ipvs_state(node: &Node) {
+        let started = Instant::now();
+        wait_until_every(
+            Duration::from_millis(500),
+            Duration::from_secs(90),
+            "IPVS mode's virtual servers and kube-ipvs0 gone",
+            || {
+                let links = node.bed.node.ip(["-o", "link", "show"]).expect("ip link");
+                virtual_servers(&node.ipvsadm(&["-Ln"])) == [format!("TCP {FOREIGN} wlc")]
+                    && !links.contains("kube-ipvs0")
+            },
+        );
+        println!(
+            "to iptables: IPVS mode's state gone {:?} after the first sync",
+            started.elapsed()
+        );
+        for l in node.log().lines().filter(|l| l.contains("proxy mode")) {
+            println!("  daemon: {l}");
+        }
         let list = node.ipvsadm(&["-Ln"]);
         assert_eq!(
             virtual_servers(&list),
@@ -365,8 +388,16 @@ mod in_vm {
         assert!(r.all_ok(), "iptables mode serves: {:?}", r.errors());
     }
 
-    /// And back: IPVS mode removes iptables mode's own chains.
+    /// And back: IPVS mode removes iptables mode's own chains, once it is programmed.
     fn ipvs_mode_removed_iptables_chains(node: &Node) {
+        wait_until_every(POLL, Duration::from_secs(30), "iptables mode's chains gone", || {
+            let nat = node
+                .bed
+                .node
+                .exec_ok("iptables-save", ["-t", "nat"])
+                .expect("iptables-save");
+            !nat.contains(":KUBE-NODEPORTS ")
+        });
         let nat = node
             .bed
             .node
@@ -420,6 +451,19 @@ mod in_vm {
                 .any(|l| l.contains("Starting kube-proxy") && l.contains("ipvs")),
             "{log}"
         );
+        // Upstream's lines, word for word and at their levels.
+        for (level, line) in [
+            ('I', "] \"Using ipvs Proxier\""),
+            (
+                'E',
+                "] \"The ipvs proxier is now deprecated and may be removed in a future release. Please use 'nftables' instead.\"",
+            ),
+        ] {
+            assert!(
+                log.lines().any(|l| l.starts_with(level) && l.ends_with(line)),
+                "{line}: {log}"
+            );
+        }
         let body = in_netns(node.bed.node.name(), || {
             let mut s = TcpStream::connect("127.0.0.1:10249").expect("metrics server");
             s.write_all(b"GET /proxyMode HTTP/1.0\r\nHost: localhost\r\n\r\n")

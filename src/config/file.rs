@@ -381,9 +381,15 @@ impl KubeProxyConfiguration {
 
 /// Reads a KubeProxyConfiguration file (YAML or JSON).
 pub fn load_file(path: &Path) -> Result<KubeProxyConfiguration, ConfigError> {
+    read_file(path).map(|(_, cfg)| cfg)
+}
+
+/// Reads a KubeProxyConfiguration file, keeping the text it was parsed from.
+pub fn read_file(path: &Path) -> Result<(String, KubeProxyConfiguration), ConfigError> {
     let p = path.display().to_string();
     let text = std::fs::read_to_string(path).map_err(|error| ConfigError::Read { path: p.clone(), error })?;
-    parse_config(&p, &text)
+    let cfg = parse_config(&p, &text)?;
+    Ok((text, cfg))
 }
 
 pub fn parse_config(path: &str, text: &str) -> Result<KubeProxyConfiguration, ConfigError> {

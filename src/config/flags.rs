@@ -79,6 +79,14 @@ pub struct Flags {
     /// Deprecated and unused (it configured the removed userspace proxy).
     #[arg(long, global = true, hide = true, allow_hyphen_values = true)]
     pub proxy_port_range: Option<String>,
+    /// Files to read the boot id from (comma-separated, the first that exists). Accepted as
+    /// upstream accepts it; nothing in kube-proxy reads it [default: /proc/sys/kernel/random/boot_id].
+    #[arg(long, global = true, value_name = "FILE,...", help_heading = "Node", allow_hyphen_values = true)]
+    pub boot_id_file: Option<String>,
+    /// Files to read the machine id from (comma-separated, the first that exists). Accepted as
+    /// upstream accepts it; nothing in kube-proxy reads it [default: /etc/machine-id,/var/lib/dbus/machine-id].
+    #[arg(long, global = true, value_name = "FILE,...", help_heading = "Node", allow_hyphen_values = true)]
+    pub machine_id_file: Option<String>,
 
     /// iptables (default), ipvs or nftables.
     #[arg(long, global = true, value_name = "MODE", help_heading = "Proxy mode", allow_hyphen_values = true)]
@@ -353,6 +361,8 @@ impl Flags {
             ("--healthz-port", self.healthz_port.is_some()),
             ("--metrics-port", self.metrics_port.is_some()),
             ("--proxy-port-range", self.proxy_port_range.is_some()),
+            ("--boot-id-file", self.boot_id_file.is_some()),
+            ("--machine-id-file", self.machine_id_file.is_some()),
             ("--node-ip", !self.node_ips.is_empty()),
             ("-v", l.verbosity.is_some()),
             ("--vmodule", !l.vmodule.is_empty()),
@@ -378,6 +388,17 @@ impl Flags {
         }
         self.apply_client_and_servers(c, warnings)?;
         self.apply_proxy_mode(c, warnings)?;
+        // Upstream takes these two from Go's flag set (they belong to no kube-proxy setting).
+        for (flag, given) in [
+            ("--boot-id-file", self.boot_id_file.is_some()),
+            ("--machine-id-file", self.machine_id_file.is_some()),
+        ] {
+            if given {
+                warnings.push(format!(
+                    "{flag} has no effect: nothing in kube-proxy reads it, upstream included"
+                ));
+            }
+        }
         self.apply_node(c)
     }
 

@@ -32,13 +32,15 @@ pub use file::{
     ClientConnectionConfiguration, DetectLocalConfiguration, FormatOptions, KubeProxyConfiguration,
     KubeProxyConntrackConfiguration, KubeProxyIPTablesConfiguration, KubeProxyIPVSConfiguration,
     KubeProxyNFTablesConfiguration, KubeProxyWinkernelConfiguration, LoggingConfiguration, OutputRoutingOptions,
-    VModuleItem, load_file, parse_config,
+    VModuleItem, load_file, parse_config, read_file,
 };
 pub(crate) use flags::go_bool;
 pub use flags::{Flags, LoggingFlags};
 pub use go::{GoDuration, Quantity, TimeOrMetaDuration, parse_duration, parse_go_bool};
+pub use resolve::GateState;
 pub use types::{
-    ClientConnection, DetectLocalMode, IpvsConfig, LocalDetector, LogFormat, LoggingConfig, ProxyConfig, ProxyMode,
+    ClientConnection, ConfigFile, DetectLocalMode, IpvsConfig, LocalDetector, LogFormat, LoggingConfig, ProxyConfig,
+    ProxyMode,
 };
 
 /// `apiVersion` of the configuration file.

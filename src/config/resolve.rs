@@ -5,9 +5,11 @@
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 
-use super::file::{KubeProxyConfiguration, load_file};
+use super::file::{KubeProxyConfiguration, read_file};
 use super::flags::{Flags, SURVIVE_CONFIG};
-use super::types::{ClientConnection, DetectLocalMode, IpvsConfig, LogFormat, LoggingConfig, ProxyConfig, ProxyMode};
+use super::types::{
+    ClientConnection, ConfigFile, DetectLocalMode, IpvsConfig, LogFormat, LoggingConfig, ProxyConfig, ProxyMode,
+};
 use super::validate::{Namer, parse_bind};
 use super::{API_VERSION, ConfigError, DEFAULT_OOM_SCORE_ADJ, KIND, invalid};
 
@@ -19,18 +21,59 @@ enum Gate {
     Fixed(bool),
 }
 
-/// The feature gates kube-proxy-rs knows. Others are accepted with a warning (upstream knows
-/// every Kubernetes gate and rejects unknown names; a cluster-wide list must still load here).
-const FEATURE_GATES: &[(&str, Gate)] = &[
-    ("PreferSameTrafficDistribution", Gate::Honoured(true)),
-    ("LoggingAlphaOptions", Gate::Honoured(false)),
-    ("LoggingBetaOptions", Gate::Fixed(true)),
-    ("ContextualLogging", Gate::Fixed(true)),
-    ("TopologyAwareHints", Gate::Fixed(true)),
-    ("ServiceTrafficDistribution", Gate::Fixed(true)),
-    ("KubeProxyDrainingTerminatingNodes", Gate::Fixed(true)),
-    ("NFTablesProxyMode", Gate::Fixed(true)),
+/// The feature gates kube-proxy-rs knows, with upstream's stage of each in the newest release
+/// (the `stage` label of `kubernetes_feature_enabled`: `ALPHA`, `BETA`, `""` for GA; `None`: a
+/// gate upstream no longer has, which is not exported). Others are accepted with a warning
+/// (upstream knows every Kubernetes gate and rejects unknown names; a cluster-wide list must
+/// still load here).
+const FEATURE_GATES: &[(&str, Gate, Option<&str>)] = &[
+    ("PreferSameTrafficDistribution", Gate::Honoured(true), Some("")),
+    ("LoggingAlphaOptions", Gate::Honoured(false), Some("ALPHA")),
+    ("LoggingBetaOptions", Gate::Fixed(true), Some("BETA")),
+    ("ContextualLogging", Gate::Fixed(true), Some("BETA")),
+    ("TopologyAwareHints", Gate::Fixed(true), Some("")),
+    ("ServiceTrafficDistribution", Gate::Fixed(true), Some("")),
+    ("KubeProxyDrainingTerminatingNodes", Gate::Fixed(true), None),
+    ("NFTablesProxyMode", Gate::Fixed(true), Some("")),
 ];
+
+/// The gates every component-base feature gate lists besides its own (exported with the value
+/// given, off by default; kube-proxy-rs has no gate they would switch on).
+const META_GATES: &[(&str, &str)] = &[("AllAlpha", "ALPHA"), ("AllBeta", "BETA")];
+
+/// One row of `kubernetes_feature_enabled`: a gate, its stage, whether it is on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GateState {
+    pub name: String,
+    pub stage: &'static str,
+    pub enabled: bool,
+}
+
+impl ProxyConfig {
+    /// The known gates as they are in effect, for `kubernetes_feature_enabled` (component-base
+    /// lists every gate of the component; these are the ones kube-proxy-rs has).
+    pub fn gate_states(&self) -> Vec<GateState> {
+        let known = FEATURE_GATES.iter().filter_map(|(name, gate, stage)| {
+            let enabled = match gate {
+                Gate::Fixed(v) => *v,
+                Gate::Honoured(_) => self.feature_enabled(name),
+            };
+            stage.map(|stage| GateState {
+                name: name.to_string(),
+                stage,
+                enabled,
+            })
+        });
+        let meta = META_GATES.iter().map(|(name, stage)| GateState {
+            name: name.to_string(),
+            stage,
+            enabled: self.feature_enabled(name),
+        });
+        let mut all: Vec<GateState> = known.chain(meta).collect();
+        all.sort_by(|a, b| a.name.cmp(&b.name));
+        all
+    }
+}
 
 impl ProxyConfig {
     /// Applies upstream's precedence (see the module documentation), validates, and returns the
@@ -38,9 +81,14 @@ impl ProxyConfig {
     pub fn resolve(flags: &Flags) -> Result<ProxyConfig, ConfigError> {
         let mut warnings = Vec::new();
         let given = flags.given();
+        let mut config_file = None;
         let mut kpc = match &flags.config {
             Some(path) => {
-                let mut file = load_file(Path::new(path))?;
+                let (text, mut file) = read_file(Path::new(path))?;
+                config_file = Some(ConfigFile {
+                    path: PathBuf::from(path),
+                    content: text.into_bytes(),
+                });
                 for key in file.unknown.keys() {
                     warnings.push(format!("config file {path}: unknown field {key:?} ignored"));
                 }
@@ -92,7 +140,9 @@ impl ProxyConfig {
                 );
             }
         }
-        Ok(ProxyConfig::from_effective(kpc, flags, node_ips, warnings))
+        let mut cfg = ProxyConfig::from_effective(kpc, flags, node_ips, warnings);
+        cfg.config_file = config_file;
+        Ok(cfg)
     }
 
     /// The typed settings of a validated configuration.
@@ -115,7 +165,7 @@ impl ProxyConfig {
         let hostname = c.hostname_override.trim().to_lowercase();
         let bind_address = c.bind_address.parse::<IpAddr>().ok().filter(|ip| !ip.is_unspecified());
         let mut feature_gates = c.feature_gates.clone();
-        for (name, gate) in FEATURE_GATES {
+        for (name, gate, _) in FEATURE_GATES {
             if let Gate::Honoured(default) = gate {
                 feature_gates.entry((*name).to_string()).or_insert(*default);
             }
@@ -218,7 +268,7 @@ impl ProxyConfig {
                 udp_timeout: c.ipvs.udp_timeout.to_std(),
             },
             logging,
-            config_file: flags.config.as_ref().map(PathBuf::from),
+            config_file: None,
             effective: c,
             warnings,
         }
@@ -381,12 +431,12 @@ impl KubeProxyConfiguration {
             }
         }
         for (name, value) in &self.feature_gates {
-            match FEATURE_GATES.iter().find(|(g, _)| g == name) {
+            match FEATURE_GATES.iter().find(|(g, _, _)| g == name) {
                 None => note(
                     "featureGates",
                     &format!("feature gate {name}={value} is not known to kube-proxy-rs; ignored"),
                 ),
-                Some((_, Gate::Fixed(fixed))) if fixed != value => note(
+                Some((_, Gate::Fixed(fixed), _)) if fixed != value => note(
                     "featureGates",
                     &format!(
                         "feature gate {name}={value} is not supported by kube-proxy-rs (it always behaves as {name}={fixed}); ignored"
@@ -404,6 +454,41 @@ mod tests {
 
     use super::*;
     use crate::config::testing::{HEADER, write_config};
+
+    #[test]
+    fn gate_states_list_the_known_gates_with_upstream_stages() {
+        let c = ProxyConfig::resolve(&Flags {
+            feature_gates: vec!["LoggingAlphaOptions=true".into(), "AllBeta=true".into()],
+            ..Flags::default()
+        })
+        .unwrap();
+        let states = c.gate_states();
+        let find = |n: &str| states.iter().find(|g| g.name == n).map(|g| (g.stage, g.enabled));
+        assert_eq!(find("LoggingAlphaOptions"), Some(("ALPHA", true)));
+        assert_eq!(find("LoggingBetaOptions"), Some(("BETA", true)));
+        assert_eq!(find("NFTablesProxyMode"), Some(("", true)));
+        assert_eq!(find("PreferSameTrafficDistribution"), Some(("", true)));
+        assert_eq!(find("AllAlpha"), Some(("ALPHA", false)));
+        assert_eq!(find("AllBeta"), Some(("BETA", true)));
+        assert_eq!(find("KubeProxyDrainingTerminatingNodes"), None, "removed upstream");
+        let names: Vec<&str> = states.iter().map(|g| g.name.as_str()).collect();
+        let mut sorted = names.clone();
+        sorted.sort();
+        assert_eq!(names, sorted);
+    }
+
+    #[test]
+    fn the_config_file_is_kept_as_it_was_read() {
+        // An unusual length: `write_config` names its directory by it.
+        let text = format!("{HEADER}mode: nftables\n# the config-file watch compares these bytes, comment and all\n");
+        let (dir, flags) = write_config(&text);
+        let c = ProxyConfig::resolve(&flags).unwrap();
+        std::fs::remove_dir_all(dir).unwrap();
+        let f = c.config_file.expect("--config given");
+        assert_eq!(f.content, text.as_bytes());
+        assert_eq!(Some(f.path.display().to_string()), flags.config);
+        assert!(ProxyConfig::resolve(&Flags::default()).unwrap().config_file.is_none());
+    }
 
     #[test]
     fn defaults_without_flags() {

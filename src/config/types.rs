@@ -150,6 +150,15 @@ pub struct LoggingConfig {
     pub info_buffer_size: u64,
 }
 
+/// The `--config` file as it was read: the daemon's config-file watch compares the file with
+/// `content` and exits when it differs (upstream restarts to apply a changed configuration).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigFile {
+    /// The path as given (not resolved: a ConfigMap volume swaps the symlinks behind it).
+    pub path: PathBuf,
+    pub content: Vec<u8>,
+}
+
 /// The validated, effective configuration.
 #[derive(Clone, Debug)]
 pub struct ProxyConfig {
@@ -193,8 +202,8 @@ pub struct ProxyConfig {
     pub oom_score_adj: i32,
     pub ipvs: IpvsConfig,
     pub logging: LoggingConfig,
-    /// `--config`, when given.
-    pub config_file: Option<PathBuf>,
+    /// `--config`, when given: the file and the bytes the configuration was read from.
+    pub config_file: Option<ConfigFile>,
     /// The effective v1alpha1 object (defaults + flags, or the file), as `--write-config-to` writes it.
     pub effective: KubeProxyConfiguration,
     /// Non-fatal notes for the operator (unknown fields, flags ignored because of --config,

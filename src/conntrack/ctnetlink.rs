@@ -5,7 +5,6 @@
 //! messages to [`Flow`]s.
 
 use std::collections::HashMap;
-use std::fmt;
 use std::io;
 use std::net::IpAddr;
 
@@ -16,7 +15,6 @@ use netlink_packet_netfilter::conntrack::{
     ConntrackAttribute, ConntrackMessage, IPTuple, ProtoInfo, ProtoInfoTCP, ProtoTuple, Protocol as CtProtocol, Tuple,
 };
 use netlink_packet_netfilter::{NetfilterHeader, NetfilterMessage, NetfilterMessageInner, NetfilterProtoFamily};
-use netlink_sys::{Socket, SocketAddr as NlSocketAddr, protocols::NETLINK_NETFILTER};
 use nix::errno::Errno;
 use tracing::{debug, warn};
 
@@ -270,40 +268,24 @@ fn kernel_error(what: &str, code: i32) -> Error {
 
 /// The kernel's conntrack table over a `NETLINK_NETFILTER` socket (ctnetlink), in the network
 /// namespace of the thread that created it.
+#[derive(Debug)]
 pub struct Netlink {
-    socket: Socket,
-    seq: u32,
-    buf: Vec<u8>,
-}
-
-impl fmt::Debug for Netlink {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Netlink")
-            .field("seq", &self.seq)
-            .finish_non_exhaustive()
-    }
+    channel: netlink::Channel,
 }
 
 impl Netlink {
     /// Opens and connects a ctnetlink socket (needs `CAP_NET_ADMIN` to list or delete).
     pub fn new() -> Result<Netlink, Error> {
-        let mut socket = Socket::new(NETLINK_NETFILTER).map_err(Error::Socket)?;
-        socket.bind_auto().map_err(Error::Socket)?;
-        socket.connect(&NlSocketAddr::new(0, 0)).map_err(Error::Socket)?;
-        Ok(Netlink {
-            socket,
-            seq: 0,
-            buf: vec![0; RECV_BUFFER],
-        })
+        let channel = netlink::Channel::netfilter(RECV_BUFFER).map_err(Error::Socket)?;
+        Ok(Netlink { channel })
     }
 
     fn next_seq(&mut self) -> u32 {
-        self.seq = self.seq.wrapping_add(1);
-        self.seq
+        self.channel.next_seq()
     }
 
     fn send(&self, bytes: &[u8], what: &str) -> Result<(), Error> {
-        netlink::send(&self.socket, bytes).map_err(|source| Error::Send {
+        self.channel.send(bytes).map_err(|source| Error::Send {
             what: what.to_string(),
             source,
         })
@@ -311,14 +293,17 @@ impl Netlink {
 
     /// Receives one datagram and splits it into messages.
     fn recv(&mut self, what: &str) -> Result<Vec<Reply>, Error> {
-        let n = netlink::recv(&self.socket, &mut self.buf, 0).map_err(|source| Error::Recv {
+        let capacity = self.channel.buffer_len();
+        let (data, n) = self.channel.recv().map_err(|source| Error::Recv {
             what: what.to_string(),
             source,
         })?;
-        let data = self.buf.get(..n).ok_or_else(|| Error::Decode {
-            what: what.to_string(),
-            detail: format!("datagram of {n} bytes truncated to {}", self.buf.len()),
-        })?;
+        if n > data.len() {
+            return Err(Error::Decode {
+                what: what.to_string(),
+                detail: format!("datagram of {n} bytes truncated to {capacity}"),
+            });
+        }
         parse_replies(data).map_err(|detail| Error::Decode {
             what: what.to_string(),
             detail,

@@ -47,6 +47,8 @@ struct Published {
     families: BTreeMap<IpFamily, Record>,
     /// Set once the source has started.
     source: Option<SourceStatus>,
+    /// iptables mode counts localhost NodePort packets into the nfacct counters.
+    nfacct: bool,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -72,6 +74,11 @@ impl DebugView {
     /// The source whose status `/debug/services` reports.
     pub fn set_source(&self, status: SourceStatus) {
         self.0.write().unwrap_or_else(|e| e.into_inner()).source = Some(status);
+    }
+
+    /// Whether iptables mode's rules count into the nfacct counters (they exist).
+    pub fn set_nfacct(&self, counted: bool) {
+        self.0.write().unwrap_or_else(|e| e.into_inner()).nfacct = counted;
     }
 
     fn source(&self) -> SourceHealth {
@@ -126,6 +133,7 @@ impl DebugView {
             prefer_same_node: cfg.feature_enabled("PreferSameTrafficDistribution"),
             mode: cfg.mode,
         };
+        let nfacct = self.0.read().unwrap_or_else(|e| e.into_inner()).nfacct;
         let families = records
             .into_iter()
             .map(|(family, r)| match &r.wanted {
@@ -143,7 +151,7 @@ impl DebugView {
                     }
                     let mut view = family_view(&state, &topology, r.last.clone());
                     if only.is_some() {
-                        let desired = DesiredRules::new(cfg, cfg.mode, &state);
+                        let desired = DesiredRules::counted(cfg, cfg.mode, &state, nfacct);
                         for (v, sps) in view.service_ports.iter_mut().zip(&state.service_ports) {
                             v.rules = desired.of(sps).sections;
                         }

@@ -6,13 +6,17 @@
 //!   host, telemetry) on tokio's clock;
 //! - [`telemetry`]: healthz, the mode's metrics and the health-check node ports;
 //! - [`modes`]: per-mode set-up on the real node, mode switches and `--cleanup`;
+//! - [`leftovers`]: the other modes' state after a mode switch, removed once this mode is in;
 //! - [`host`]: the node's sysctls and conntrack table, as the loop touches them;
+//! - [`config_watch`]: the `--config` file watch (exit when its content changes, as upstream);
 //! - [`debug`]: the read-only `/debug/services` and `/debug/rules` of the metrics server.
 //!
 //! This module wires them for the real node: [`run`].
 
+pub mod config_watch;
 pub mod debug;
 pub mod host;
+pub mod leftovers;
 pub mod modes;
 pub mod runner;
 pub mod sync_loop;
@@ -25,10 +29,11 @@ use std::sync::Arc;
 use anyhow::Context;
 use tracing::{error, info, warn};
 
-use crate::config::{ClientConnection, ProxyConfig};
+use crate::config::{ClientConnection, ProxyConfig, ProxyMode};
 use crate::conntrack;
 use crate::healthz::ProxyHealth;
 use crate::http::{self, ServiceHealthServers};
+use crate::iptables::nfacct::Nfacct;
 use crate::metrics::Metrics;
 use crate::source::{self, Source};
 pub use modes::cleanup_all;
@@ -87,12 +92,23 @@ pub struct ServerConfig {
     pub debug_allow_remote: bool,
 }
 
-/// Runs until the source fails; never returns on success.
+/// Runs until the source fails or the `--config` file changes (the error says which, and the
+/// rules stay in the kernel); never returns on success.
 pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
     let cfg = Arc::new(opts.config.clone());
     let node_name = cfg.node_name();
     modes::check_kernel(&cfg)?;
+    // Watching starts before anything is touched, as upstream's does while it reads its options.
+    let config_watch = match &cfg.config_file {
+        Some(f) => Some(
+            config_watch::start(&f.path, f.content.clone())
+                .with_context(|| format!("watching the configuration file {}", f.path.display()))?,
+        ),
+        None => None,
+    };
     info!(mode = cfg.mode.as_str(), node = %node_name, "Starting kube-proxy");
+    // Before anything is programmed: the backend kubelet and earlier proxies wrote to.
+    let backend = crate::iptables::backend::detect_and_log();
     let warnings = conntrack::apply_sysctls_and_hashsize(
         &cfg.conntrack,
         std::path::Path::new("/proc/sys"),
@@ -102,25 +118,47 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
     for w in warnings {
         warn!("{w}");
     }
-    let (telemetry, _servers) = start_servers(&cfg, &opts.servers(), &node_name)?;
+    let nfacct = match cfg.mode {
+        ProxyMode::Iptables => modes::nfacct_counters(),
+        _ => None,
+    };
+    let counted = nfacct.is_some();
+    let (telemetry, _servers) = start_servers(&cfg, &opts.servers(), &node_name, nfacct)?;
     if let SourceConfig::Manifests(dir) = &opts.source {
         info!(manifests = %dir.display(), "Reading Services and EndpointSlices from manifests");
     }
     let mut running = opts.source.source().start(&node_name)?;
     telemetry.debug.set_source(running.status.clone());
-    // Rules of the mode not in use are removed, as upstream does at start.
-    modes::remove_other_modes(cfg.mode);
-    let proxiers = modes::proxiers(&cfg)?;
+    // The other modes' rules are found now, and removed once this mode's are in place.
+    let leftovers = leftovers::OtherModes::find(cfg.mode, backend);
+    modes::log_mode(cfg.mode);
+    if let (ProxyMode::Ipvs, SourceConfig::Api(cc)) = (cfg.mode, &opts.source) {
+        let event = source::api::start_warning("IPVSDeprecation", modes::IPVS_DEPRECATION);
+        source::api::emit_on_node(cc, &node_name, event);
+    }
+    let proxiers = modes::proxiers(&cfg, backend, counted)?;
     let node_watched = matches!(opts.source, SourceConfig::Api(_));
-    let sync_loop = sync_loop::SyncLoop::new(cfg, proxiers, Box::new(host::NodeHost), telemetry, node_watched);
+    let sync_loop = sync_loop::SyncLoop::new(cfg, proxiers, Box::new(host::NodeHost), telemetry, node_watched)
+        .with_leftovers(leftovers);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .thread_name("kube-proxy-sync")
         .enable_all()
         .build()
         .context("starting the sync loop's runtime")?;
-    // Syncs block this runtime's one thread; the servers and sources have their own.
-    runtime.block_on(sync_loop.run(&mut running.updates))?;
-    Ok(())
+    // Syncs block this runtime's one thread; the servers and sources have their own. The
+    // watch is looked at between syncs, so a change never cuts one short.
+    runtime.block_on(async move {
+        let Some(watch) = config_watch else {
+            return Ok(sync_loop.run(&mut running.updates).await?);
+        };
+        tokio::select! {
+            r = sync_loop.run(&mut running.updates) => Ok(r?),
+            changed = watch.changed() => {
+                error!(error = %changed, "Error running ProxyServer");
+                Err(changed.into())
+            }
+        }
+    })
 }
 
 /// The HTTP servers, on a runtime of their own (dropping it stops them).
@@ -128,11 +166,13 @@ pub struct HttpServers {
     _runtime: tokio::runtime::Runtime,
 }
 
-/// Binds and starts the healthz and metrics servers and sets up the health-check node ports.
+/// Binds and starts the healthz and metrics servers (exporting `nfacct`'s counters, where iptables
+/// mode has them) and sets up the health-check node ports.
 fn start_servers(
     cfg: &ProxyConfig,
     servers: &ServerConfig,
     node_name: &str,
+    nfacct: Option<Box<dyn Nfacct>>,
 ) -> anyhow::Result<(Arc<Telemetry>, HttpServers)> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -144,6 +184,11 @@ fn start_servers(
     let health = ProxyHealth::new(cfg.sync_period * 2);
     let metrics = Arc::new(Metrics::new(cfg.mode.as_str()));
     let debug = debug::DebugView::default();
+    debug.set_nfacct(nfacct.is_some());
+    metrics.record_feature_gates(&cfg.gate_states());
+    if let Some(n) = nfacct {
+        metrics.register_nfacct(n);
+    }
     let bind = |addr: SocketAddr, what: &str| -> anyhow::Result<Option<tokio::net::TcpListener>> {
         match runtime.block_on(tokio::net::TcpListener::bind(addr)) {
             Ok(l) => {

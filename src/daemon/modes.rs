@@ -1,15 +1,21 @@
 //! Per-mode set-up and cleanup on the real node: which families a mode can program here, the
-//! real proxiers of a mode, the kernel checks before anything is touched, the removal of the
-//! other modes' rules at start (mode switches, every way), and `--cleanup`.
+//! real proxiers of a mode (with upstream's "Using … Proxier" line, and iptables mode's nfacct
+//! counters where the kernel has them), the kernel checks before anything is touched, the
+//! nftables and IPVS edges that removing another mode's state uses (mode switches:
+//! [`super::leftovers`]), and `--cleanup`. Every iptables call goes to the backend chosen at
+//! start (`iptables::backend`), passed in as `backend`.
 
 use anyhow::Context as _;
-use tracing::warn;
+use tracing::{error, info};
 
 use crate::config::{ProxyConfig, ProxyMode};
+use crate::iptables::IptablesRenderOptions;
+use crate::iptables::backend::Backend;
 use crate::iptables::exec::{Exec, Iptables};
+use crate::iptables::nfacct::{self, Nfacct};
 use crate::iptables::proxier::{IptablesProxier, cleanup as cleanup_iptables};
-use crate::iptables::{IptablesRenderOptions, names as ipt_names};
-use crate::ipvs::host::{HostExec, IpvsHost as _};
+use crate::iptables::render::{NFACCT_CT_STATE_INVALID, NFACCT_LOCALHOST_NODEPORTS};
+use crate::ipvs::host::HostExec;
 use crate::ipvs::netlink::{Ipvs, IpvsHandle};
 use crate::ipvs::proxier::IpvsProxier;
 use crate::ipvs::render::IpvsRenderOptions;
@@ -19,12 +25,12 @@ use crate::proxy::{Proxier, RenderOptions};
 
 /// The families `mode` can program on this node: IPv4, and IPv6 where the mode's tools and
 /// the kernel have it (upstream creates one proxier per family and drops a family that fails).
-pub fn families(mode: ProxyMode) -> Vec<IpFamily> {
+pub fn families(mode: ProxyMode, backend: Backend) -> Vec<IpFamily> {
     let v6 = match mode {
         // nftables mode speaks netlink: it needs the kernel's IPv6, not ip6tables.
         ProxyMode::Nftables => kernel_has_ipv6(),
         // IPVS mode programs ip6tables rules beside its virtual servers.
-        ProxyMode::Iptables | ProxyMode::Ipvs => Exec::available(IpFamily::V6),
+        ProxyMode::Iptables | ProxyMode::Ipvs => Exec::available(backend, IpFamily::V6),
     };
     let mut v = vec![IpFamily::V4];
     if v6 {
@@ -47,10 +53,54 @@ pub fn check_kernel(cfg: &ProxyConfig) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Upstream's deprecation message for IPVS mode (KEP-5495), logged at error level and sent
+/// as the Warning event `IPVSDeprecation` on the Node.
+pub const IPVS_DEPRECATION: &str =
+    "The ipvs proxier is now deprecated and may be removed in a future release. Please use 'nftables' instead.";
+
+/// Logs the mode in use as upstream does, word for word (operators grep for these lines), and
+/// in IPVS mode its deprecation.
+pub fn log_mode(mode: ProxyMode) {
+    match mode {
+        ProxyMode::Iptables => info!("Using iptables Proxier"),
+        ProxyMode::Ipvs => {
+            info!("Using ipvs Proxier");
+            error!("{IPVS_DEPRECATION}");
+        }
+        ProxyMode::Nftables => info!("Using nftables Proxier"),
+    }
+}
+
+/// iptables mode's nfacct counters, created where the kernel has nfacct (as upstream does at
+/// start): the handle that reads them, or None, and then no rule counts into them.
+pub fn nfacct_counters() -> Option<Box<dyn Nfacct>> {
+    let mut handle = match nfacct::Netlink::new() {
+        Ok(h) => h,
+        Err(e) => {
+            error!(error = %e, "Failed to create nfacct runner, nfacct based metrics won't be available");
+            return None;
+        }
+    };
+    nfacct::ensure_all(&mut handle, &[NFACCT_CT_STATE_INVALID, NFACCT_LOCALHOST_NODEPORTS])
+        .then(|| Box::new(handle) as Box<dyn Nfacct>)
+}
+
+/// Whether iptables mode's nfacct counters exist (so the daemon's rules count into them), read
+/// without creating them: what `kube-proxy explain` expects of the rules.
+pub fn nfacct_counters_present() -> bool {
+    let Ok(mut handle) = nfacct::Netlink::new() else {
+        return false;
+    };
+    [NFACCT_CT_STATE_INVALID, NFACCT_LOCALHOST_NODEPORTS]
+        .iter()
+        .all(|name| handle.get(name).is_ok())
+}
+
 /// The real proxiers of the configured mode, one per family. Their options are set by each
-/// sync's `configure`; these are placeholders until then.
-pub fn proxiers(cfg: &ProxyConfig) -> anyhow::Result<Vec<Box<dyn Proxier>>> {
-    families(cfg.mode)
+/// sync's `configure`; these are placeholders until then, except `nfacct` (iptables mode: the
+/// counters exist, so two rules count into them).
+pub fn proxiers(cfg: &ProxyConfig, backend: Backend, nfacct: bool) -> anyhow::Result<Vec<Box<dyn Proxier>>> {
+    families(cfg.mode, backend)
         .into_iter()
         .map(|family| -> anyhow::Result<Box<dyn Proxier>> {
             Ok(match cfg.mode {
@@ -61,151 +111,78 @@ pub fn proxiers(cfg: &ProxyConfig) -> anyhow::Result<Vec<Box<dyn Proxier>>> {
                         family,
                         IpvsRenderOptions::default(),
                         ipvs,
-                        Exec::new(family),
+                        Exec::new(backend, family),
                         HostExec,
                     ))
                 }
                 ProxyMode::Iptables => Box::new(IptablesProxier::new(
-                    Exec::new(family),
-                    IptablesRenderOptions::default(),
+                    Exec::new(backend, family),
+                    IptablesRenderOptions {
+                        nfacct,
+                        ..IptablesRenderOptions::default()
+                    },
                 )),
             })
         })
         .collect()
 }
 
-/// Removes the rules of the modes other than `mode` (switching modes, every way).
-pub fn remove_other_modes(mode: ProxyMode) {
-    if mode != ProxyMode::Nftables {
-        for e in remove_nftables_mode() {
-            warn!(error = %e, "Could not remove the nftables mode's table");
-        }
+/// Deletes the nftables mode's table of `family` where there is one.
+pub(super) fn remove_nftables_table(family: IpFamily) -> Result<(), nft::NftError> {
+    // The table may not exist (or nft may not be installed): only a present table matters.
+    if nft::table_exists(family) {
+        nft::delete_table(family)?;
     }
-    // IPVS mode's state goes before iptables mode's: it references chains the two share.
-    if mode != ProxyMode::Ipvs {
-        for e in remove_ipvs_mode(false) {
-            warn!(error = %e, "Could not remove the IPVS mode's state");
-        }
-    }
-    match mode {
-        ProxyMode::Nftables => remove_iptables_mode(),
-        // IPVS mode rewrites the chains it shares with iptables mode (KUBE-SERVICES, ...) on
-        // its first sync; iptables mode's own chains go only where iptables mode left some, so
-        // that restarting IPVS mode never empties its chains in between.
-        ProxyMode::Ipvs => {
-            if families(ProxyMode::Iptables)
-                .into_iter()
-                .any(|f| iptables_mode_present(&mut Exec::new(f)))
-            {
-                remove_iptables_mode();
-            }
-        }
-        ProxyMode::Iptables => {}
-    }
-}
-
-fn remove_iptables_mode() {
-    for family in families(ProxyMode::Iptables) {
-        for e in cleanup_iptables(&mut Exec::new(family)) {
-            warn!(ip_family = %family, error = %e, "Could not remove the iptables mode's rules");
-        }
-    }
+    Ok(())
 }
 
 /// Deletes the nftables mode's tables that exist; the errors met.
 fn remove_nftables_mode() -> Vec<String> {
-    let mut errors = Vec::new();
-    for family in [IpFamily::V4, IpFamily::V6] {
-        // The table may not exist (or nft may not be installed): only a present table matters.
-        if nft::table_exists(family)
-            && let Err(e) = nft::delete_table(family)
-        {
-            errors.push(format!("{family}: {e}"));
-        }
-    }
-    errors
+    [IpFamily::V4, IpFamily::V6]
+        .into_iter()
+        .filter_map(|family| remove_nftables_table(family).err().map(|e| format!("{family}: {e}")))
+        .collect()
 }
 
-/// Whether iptables mode left its own chains (ones IPVS mode does not have).
-fn iptables_mode_present(ipt: &mut Exec) -> bool {
-    [
-        ("nat", ipt_names::KUBE_NODEPORTS),
-        ("nat", ipt_names::KUBE_PROXY_CANARY),
-        ("filter", ipt_names::KUBE_EXTERNAL_SERVICES),
-    ]
-    .iter()
-    .any(|(table, chain)| ipt.chain_exists(table, chain).unwrap_or(false))
-}
-
-/// Removes IPVS mode's state where there is some (or, with `all` for `--cleanup`, whatever is
-/// left): virtual servers on `kube-ipvs0` addresses and NodePort-looking ones on node
-/// addresses (only when the kernel has IPVS loaded: without it there are none, and looking
-/// would load it), its iptables rules, ipsets and `kube-ipvs0`. Silent where there is nothing.
-fn remove_ipvs_mode(all: bool) -> Vec<String> {
-    let mut host = HostExec;
-    let mut ipts: Vec<Exec> = families(ProxyMode::Ipvs).into_iter().map(Exec::new).collect();
-    let link = host.link_exists(crate::ipvs::names::DUMMY_DEVICE).unwrap_or(false);
-    let rules = ipts.iter_mut().any(|i| crate::ipvs::cleanup::iptables_state_present(i));
-    if !(all || link || rules) {
-        return Vec::new();
-    }
-    let mut ipvs = if std::path::Path::new("/proc/net/ip_vs").exists() {
+/// The IPVS netlink handle when the kernel has IPVS loaded (without it there are no virtual
+/// servers, and opening one would load it).
+pub(super) fn open_ipvs() -> Option<IpvsHandle> {
+    if std::path::Path::new("/proc/net/ip_vs").exists() {
         IpvsHandle::new().ok()
     } else {
         None
-    };
+    }
+}
+
+/// Removes whatever IPVS mode left: virtual servers on `kube-ipvs0` addresses and
+/// NodePort-looking ones on node addresses (only when the kernel has IPVS loaded: without it
+/// there are none, and looking would load it), its iptables rules, ipsets and `kube-ipvs0`.
+fn remove_ipvs_mode(backend: Backend) -> Vec<String> {
+    let mut ipts: Vec<Exec> = families(ProxyMode::Ipvs, backend)
+        .into_iter()
+        .map(|f| Exec::new(backend, f))
+        .collect();
+    let mut ipvs = open_ipvs();
     let mut refs: Vec<&mut dyn Iptables> = ipts.iter_mut().map(|i| i as &mut dyn Iptables).collect();
-    crate::ipvs::cleanup::cleanup(ipvs.as_mut().map(|h| h as &mut dyn Ipvs), &mut refs, &mut host, true)
+    crate::ipvs::cleanup::cleanup(
+        ipvs.as_mut().map(|h| h as &mut dyn Ipvs),
+        &mut refs,
+        &mut HostExec,
+        true,
+    )
 }
 
 /// `--cleanup`: removes everything we own in both families (iptables chains and jumps, the
 /// nftables `kube-proxy` tables of the nftables mode, and IPVS mode's virtual servers, ipsets
 /// and `kube-ipvs0`). Returns the errors met.
-pub fn cleanup_all() -> Vec<String> {
+pub fn cleanup_all(backend: Backend) -> Vec<String> {
     let mut errors = Vec::new();
     // IPVS mode's rules first: its chains share names with iptables mode's.
-    errors.extend(remove_ipvs_mode(true).into_iter().map(|e| format!("IPVS mode: {e}")));
-    for family in families(ProxyMode::Iptables) {
-        let mut ipt = Exec::new(family);
+    errors.extend(remove_ipvs_mode(backend).into_iter().map(|e| format!("IPVS mode: {e}")));
+    for family in families(ProxyMode::Iptables, backend) {
+        let mut ipt = Exec::new(backend, family);
         errors.extend(cleanup_iptables(&mut ipt).into_iter().map(|e| format!("{family}: {e}")));
     }
     errors.extend(remove_nftables_mode());
     errors
-}
-
-/// What the proxy modes other than `mode` left on this node, each as `(mode, what)`: the
-/// nftables `kube-proxy` tables, iptables mode's own chains, IPVS mode's `kube-ipvs0` and its
-/// iptables chain (its virtual servers may be someone else's: they are not counted). For
-/// `kube-proxy explain`; nothing is changed.
-pub fn other_modes_present(mode: ProxyMode) -> Vec<(ProxyMode, String)> {
-    let mut found = Vec::new();
-    if mode != ProxyMode::Nftables {
-        for family in [IpFamily::V4, IpFamily::V6] {
-            if nft::table_exists(family) {
-                let keyword = crate::nftables::ast::family_keyword(family);
-                found.push((ProxyMode::Nftables, format!("table {keyword} kube-proxy")));
-            }
-        }
-    }
-    if mode != ProxyMode::Iptables {
-        for family in families(ProxyMode::Iptables) {
-            if iptables_mode_present(&mut Exec::new(family)) {
-                found.push((
-                    ProxyMode::Iptables,
-                    format!("{family} chains KUBE-NODEPORTS/KUBE-PROXY-CANARY"),
-                ));
-            }
-        }
-    }
-    if mode != ProxyMode::Ipvs {
-        if HostExec.link_exists(crate::ipvs::names::DUMMY_DEVICE).unwrap_or(false) {
-            found.push((ProxyMode::Ipvs, format!("link {}", crate::ipvs::names::DUMMY_DEVICE)));
-        }
-        for family in families(ProxyMode::Ipvs) {
-            if crate::ipvs::cleanup::iptables_state_present(&mut Exec::new(family)) {
-                found.push((ProxyMode::Ipvs, format!("{family} chain filter KUBE-IPVS-FILTER")));
-            }
-        }
-    }
-    found
 }

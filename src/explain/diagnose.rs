@@ -179,7 +179,7 @@ fn node_problems(f: &Facts, mode: ProxyMode, push: &mut dyn FnMut(&str, String))
             "leftover-mode",
             format!(
                 "rules of {other} mode are on the node ({}) while it runs {} mode: both sets of rules see \
-                 the packets; restarting kube-proxy removes the other mode's rules at start (or run \
+                 the packets; restarting kube-proxy removes the other mode's rules once its own are in place (or run \
                  kube-proxy --cleanup while kube-proxy is stopped)",
                 what.join(", "),
                 mode.as_str()

@@ -18,6 +18,7 @@ use super::rules::DesiredRules;
 use super::view::{FamilyView, NodeView, PortView, ServiceRef, ServicesView, Topology, family_view};
 use crate::config::{ProxyConfig, ProxyMode};
 use crate::conntrack::{Netlink, Tracked};
+use crate::iptables::backend::Backend;
 use crate::model::{IpFamily, NodeInfo, StateBuilder, Store};
 use crate::proxy::{Programmed, RenderOptions};
 use crate::source::{Source, SourceHealth};
@@ -56,13 +57,15 @@ pub fn gather(cfg: &ProxyConfig, req: &Request) -> Result<Facts, GatherError> {
     let mut ct = Netlink::new().ok();
     let before = ct.as_mut().and_then(|c| c.statistics().ok());
     let (daemon_facts, daemon_view) = ask_daemon(cfg, req);
-    let (desired_from, desired) = desired(cfg, req, daemon_view.as_ref())?;
+    // The iptables backend the daemon chooses on this node (the same rules decide).
+    let backend = crate::iptables::backend::detect(&mut crate::iptables::backend::Host).backend;
+    let (desired_from, desired) = desired(cfg, req, daemon_view.as_ref(), backend)?;
     let mode = ProxyMode::parse(&desired.mode).unwrap_or(cfg.mode);
     let mut mcfg = cfg.clone();
     mcfg.mode = mode;
     let node = desired.node.info();
     let mut ports = select_ports(&mcfg, req, &desired, &node);
-    read_back(&mcfg, req, &mut ports);
+    read_back(&mcfg, backend, req, &mut ports);
     let routes = routes::dump_routes().unwrap_or_default();
     let mut conntrack = ConntrackFacts::default();
     let mut entries: Vec<Tracked> = Vec::new();
@@ -84,7 +87,8 @@ pub fn gather(cfg: &ProxyConfig, req: &Request) -> Result<Facts, GatherError> {
         p.routes = endpoint_routes(&routes, &p.port);
         p.health_check = health_check(&p.port);
     }
-    let leftovers = daemon::modes::other_modes_present(mode)
+    let leftovers = daemon::leftovers::OtherModes::scan(mode, backend)
+        .describe()
         .into_iter()
         .map(|(m, what)| Leftover {
             mode: m.as_str().into(),
@@ -179,6 +183,7 @@ fn desired(
     cfg: &ProxyConfig,
     req: &Request,
     daemon: Option<&ServicesView>,
+    backend: Backend,
 ) -> Result<(String, ServicesView), GatherError> {
     let (from, store, kind) = if let Some(dir) = &req.manifests {
         let objects = manifest::load_paths(&[dir])?;
@@ -208,7 +213,7 @@ fn desired(
         mode,
     };
     let mut builder = StateBuilder::with_store(store);
-    let families = daemon::modes::families(mode);
+    let families = daemon::modes::families(mode, backend);
     let views = families
         .into_iter()
         .map(|f| {
@@ -319,7 +324,8 @@ fn desired_rules(cfg: &ProxyConfig, fam: &FamilyView, node: &NodeInfo, chosen: &
     let Ok(state) = fam.state(node) else {
         return vec![Programmed::default(); chosen.len()];
     };
-    let rules = DesiredRules::new(cfg, cfg.mode, &state);
+    let nfacct = cfg.mode == ProxyMode::Iptables && daemon::modes::nfacct_counters_present();
+    let rules = DesiredRules::counted(cfg, cfg.mode, &state, nfacct);
     let by_name: HashMap<&str, usize> = fam
         .service_ports
         .iter()
@@ -339,8 +345,9 @@ fn desired_rules(cfg: &ProxyConfig, fam: &FamilyView, node: &NodeInfo, chosen: &
 }
 
 /// Reads each port's rules back through the proxier of its family.
-fn read_back(cfg: &ProxyConfig, req: &Request, ports: &mut [PortFacts]) {
-    let proxiers = match daemon::modes::proxiers(cfg) {
+fn read_back(cfg: &ProxyConfig, backend: Backend, req: &Request, ports: &mut [PortFacts]) {
+    // The nfacct option changes what is written, not what is read back.
+    let proxiers = match daemon::modes::proxiers(cfg, backend, false) {
         Ok(p) => p,
         Err(e) => {
             for p in ports.iter_mut() {

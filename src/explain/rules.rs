@@ -29,10 +29,19 @@ pub enum DesiredRules {
 impl DesiredRules {
     /// Renders what is shared by the ports of `state` in `mode`.
     pub fn new(cfg: &ProxyConfig, mode: ProxyMode, state: &ProxyState) -> DesiredRules {
+        DesiredRules::counted(cfg, mode, state, false)
+    }
+
+    /// [`DesiredRules::new`], with iptables mode's localhost NodePort rules counting into the
+    /// nfacct counters when `nfacct` (the daemon writes them so where the counters exist).
+    pub fn counted(cfg: &ProxyConfig, mode: ProxyMode, state: &ProxyState, nfacct: bool) -> DesiredRules {
         let (family, node) = (state.family, &state.node);
         match mode {
             ProxyMode::Iptables => {
-                let opts = IptablesRenderOptions::from_config(cfg, family, node);
+                let opts = IptablesRenderOptions {
+                    nfacct,
+                    ..IptablesRenderOptions::from_config(cfg, family, node)
+                };
                 DesiredRules::Iptables(Box::new(RenderContext::new(state, &opts)))
             }
             ProxyMode::Nftables => {

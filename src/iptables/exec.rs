@@ -1,8 +1,11 @@
 //! The edge to the kernel for the iptables dataplane: `iptables-restore`, `iptables-save` and
-//! `iptables` executed directly (never through a shell), behind a trait with a recording fake.
+//! `iptables` of the chosen backend (`iptables-nft-restore`, `ip6tables-legacy-save`, ...; see
+//! [`super::backend`]) executed directly (never through a shell), behind a trait with a
+//! recording fake.
 
 use std::process::{Command, Stdio};
 
+use super::backend::Backend;
 use crate::exec;
 use crate::model::IpFamily;
 
@@ -92,23 +95,20 @@ pub trait Iptables: Send {
     fn run(&mut self, table: &str, op: &[&str], args: &[String]) -> Result<String, ExecError>;
 }
 
-/// The real tools.
+/// The real tools of one backend, for one family.
 #[derive(Clone, Debug)]
 pub struct Exec {
+    backend: Backend,
     family: IpFamily,
 }
 
 impl Exec {
-    pub fn new(family: IpFamily) -> Exec {
-        Exec { family }
+    pub fn new(backend: Backend, family: IpFamily) -> Exec {
+        Exec { backend, family }
     }
 
     fn tool(&self, suffix: &str) -> String {
-        let base = match self.family {
-            IpFamily::V4 => "iptables",
-            IpFamily::V6 => "ip6tables",
-        };
-        format!("{base}{suffix}")
+        self.backend.tool(self.family, suffix)
     }
 
     fn save_args(&self, args: Vec<String>) -> Result<String, ExecError> {
@@ -130,9 +130,10 @@ impl Exec {
         })
     }
 
-    /// Whether the family's tools are installed (dual-stack needs `ip6tables-restore`).
-    pub fn available(family: IpFamily) -> bool {
-        let tool = Exec::new(family).tool("-restore");
+    /// Whether the backend's tools of the family are installed (dual-stack needs
+    /// `ip6tables-…-restore`).
+    pub fn available(backend: Backend, family: IpFamily) -> bool {
+        let tool = Exec::new(backend, family).tool("-restore");
         Command::new(&tool)
             .arg("--version")
             .stdout(Stdio::null())

@@ -1,8 +1,11 @@
 //! The iptables dataplane: chain names, the pure renderer of `iptables-restore` input and
-//! a tracer that follows one packet through rendered rules.
+//! a tracer that follows one packet through rendered rules; which backend (legacy or nft) the
+//! tools program.
 
+pub mod backend;
 pub mod exec;
 pub mod names;
+pub mod nfacct;
 pub mod proxier;
 pub mod readback;
 pub mod render;

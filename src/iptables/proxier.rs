@@ -150,8 +150,8 @@ impl<I: Iptables> IptablesProxier<I> {
         let prev = if full { None } else { self.applied.take() };
         let write = Writes {
             filter: prev.is_none() || changes.filter_changed,
-            services: prev.is_none() || changes.services_changed,
-            nodeports: prev.is_none() || changes.nodeports_changed,
+            services: Write::of(prev.is_none(), changes.services_changed, &changes.services_edits),
+            nodeports: Write::of(prev.is_none(), changes.nodeports_changed, &changes.nodeports_edits),
             masquerade: prev.is_none(),
         };
         let filter = if write.filter {
@@ -169,7 +169,7 @@ impl<I: Iptables> IptablesProxier<I> {
             return Ok(report);
         }
 
-        let mut stale = changes.stale;
+        let mut stale = std::mem::take(&mut changes.stale);
         // On a full sync, delete whatever the kernel has that we do not use (rules left by an
         // earlier run, ours or upstream's).
         if prev.is_none() {
@@ -180,7 +180,7 @@ impl<I: Iptables> IptablesProxier<I> {
         stale.dedup();
         report.removed_objects = stale.len();
 
-        let nat_section = noflush_nat_section(&ctx, &fragments, &write, &masquerade, &stale);
+        let nat_section = noflush_nat_section(&ctx, &fragments, &write, &changes, &masquerade, &stale);
         let filter_section = if write.filter { filter.as_str() } else { "" };
         // iptables-restore commits each table on its own. A Service that gains endpoints must
         // get its DNAT before its REJECT goes, and one that loses them its REJECT before its
@@ -297,9 +297,37 @@ struct Changes {
     services_changed: bool,
     nodeports_changed: bool,
     filter_changed: bool,
+    /// The lines of nat KUBE-SERVICES and KUBE-NODEPORTS that go and that come.
+    services_edits: LineEdits,
+    nodeports_edits: LineEdits,
     /// The chains we stopped using.
     stale: Vec<String>,
 }
+
+/// The lines of one fixed chain that a sync removes and adds (`-A CHAIN …` as rendered).
+#[derive(Default)]
+struct LineEdits {
+    gone: Vec<String>,
+    new: HashSet<String>,
+}
+
+impl LineEdits {
+    fn diff(&mut self, old: &str, new: &str) {
+        let old_lines: HashSet<&str> = old.lines().collect();
+        let new_lines: HashSet<&str> = new.lines().collect();
+        self.gone
+            .extend(old.lines().filter(|l| !new_lines.contains(l)).map(str::to_string));
+        self.new
+            .extend(new.lines().filter(|l| !old_lines.contains(l)).map(str::to_string));
+    }
+
+    fn len(&self) -> usize {
+        self.gone.len() + self.new.len()
+    }
+}
+
+/// Above this many line edits a fixed chain is written whole rather than edited in place.
+const MAX_IN_PLACE_EDITS: usize = 64;
 
 impl Changes {
     /// A service port's fragment `old` was rendered again as `new`.
@@ -308,6 +336,8 @@ impl Changes {
         self.services_changed |= old.services_rules != new.services_rules;
         self.nodeports_changed |= old.nodeports_rules != new.nodeports_rules;
         self.filter_changed |= old.filter_rules != new.filter_rules;
+        self.services_edits.diff(&old.services_rules, &new.services_rules);
+        self.nodeports_edits.diff(&old.nodeports_rules, &new.nodeports_rules);
         self.stale
             .extend(old.chains.iter().filter(|c| !new.chains.contains(c)).cloned());
     }
@@ -318,6 +348,8 @@ impl Changes {
         self.services_changed |= !new.services_rules.is_empty();
         self.nodeports_changed |= !new.nodeports_rules.is_empty();
         self.filter_changed |= !new.filter_rules.is_empty();
+        self.services_edits.diff("", &new.services_rules);
+        self.nodeports_edits.diff("", &new.nodeports_rules);
     }
 
     /// A service port that is gone.
@@ -325,17 +357,45 @@ impl Changes {
         self.services_changed |= !old.services_rules.is_empty();
         self.nodeports_changed |= !old.nodeports_rules.is_empty();
         self.filter_changed |= !old.filter_rules.is_empty();
+        self.services_edits.diff(&old.services_rules, "");
+        self.nodeports_edits.diff(&old.nodeports_rules, "");
         self.stale.extend(old.chains.iter().cloned());
+    }
+}
+
+/// How a `--noflush` sync writes one fixed chain.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Write {
+    /// Not at all: unchanged.
+    No,
+    /// Declared (flushed) and written whole.
+    Whole,
+    /// Its changed lines only: `-D` of the lines that go, `-I` of the ones that come, at
+    /// their place. At 10k Services KUBE-SERVICES is 1.4 MB, and iptables-nft scans every
+    /// chain for each jump it reads: one rule instead of the chain when a Service gains or
+    /// loses its last endpoint.
+    InPlace,
+}
+
+impl Write {
+    /// Whole on a full sync, else in place when the edits are few.
+    fn of(full: bool, changed: bool, edits: &LineEdits) -> Write {
+        match (full, changed) {
+            (true, _) => Write::Whole,
+            (false, false) => Write::No,
+            (false, true) if edits.len() <= MAX_IN_PLACE_EDITS => Write::InPlace,
+            (false, true) => Write::Whole,
+        }
     }
 }
 
 /// Which fixed parts a `--noflush` sync writes.
 struct Writes {
     filter: bool,
-    /// nat KUBE-SERVICES (and its NodePort tail).
-    services: bool,
+    /// nat KUBE-SERVICES (and, written whole, its NodePort tail).
+    services: Write,
     /// nat KUBE-NODEPORTS.
-    nodeports: bool,
+    nodeports: Write,
     /// nat KUBE-POSTROUTING and KUBE-MARK-MASQ.
     masquerade: bool,
 }
@@ -358,6 +418,7 @@ fn noflush_nat_section(
     ctx: &RenderContext,
     fragments: &[(&ServiceFragment, bool)],
     write: &Writes,
+    changes: &Changes,
     masquerade: &str,
     stale: &[String],
 ) -> String {
@@ -368,8 +429,8 @@ fn noflush_nat_section(
         declared += 1;
     };
     for (c, write) in [
-        (KUBE_SERVICES, write.services),
-        (KUBE_NODEPORTS, write.nodeports),
+        (KUBE_SERVICES, write.services == Write::Whole),
+        (KUBE_NODEPORTS, write.nodeports == Write::Whole),
         (KUBE_POSTROUTING, write.masquerade),
         (KUBE_MARK_MASQ, write.masquerade),
     ] {
@@ -391,29 +452,71 @@ fn noflush_nat_section(
     if write.masquerade {
         rules.push_str(masquerade);
     }
+    // In-place edits first: a jump that goes must go before its chain is deleted below.
+    let mut edited = 0usize;
+    if write.services == Write::InPlace {
+        edited += edit_in_place(&mut rules, KUBE_SERVICES, &changes.services_edits, fragments, |f| {
+            &f.services_rules
+        });
+    }
+    if write.nodeports == Write::InPlace {
+        edited += edit_in_place(&mut rules, KUBE_NODEPORTS, &changes.nodeports_edits, fragments, |f| {
+            &f.nodeports_rules
+        });
+    }
     // Upstream's order: each service's KUBE-SERVICES and KUBE-NODEPORTS lines, then its chains.
     for (f, changed) in fragments {
-        if write.services {
+        if write.services == Write::Whole {
             rules.push_str(&f.services_rules);
         }
-        if write.nodeports {
+        if write.nodeports == Write::Whole {
             rules.push_str(&f.nodeports_rules);
         }
         if *changed {
             rules.push_str(&f.chain_rules);
         }
     }
-    if write.services {
+    if write.services == Write::Whole {
         rules.push_str(&nodeports_tail(ctx));
     }
     for c in stale {
         let _ = writeln!(rules, "-X {c}");
     }
-    if declared > 0 {
+    if declared > 0 || edited > 0 {
         format!("*nat\n{nat}{rules}COMMIT\n")
     } else {
         String::new()
     }
+}
+
+/// Appends the in-place edits of `chain`: `-D` of each line that goes, then `-I` of each line
+/// that comes at its place in the rendered order (positions ascending, so each lands where a
+/// full write would put it); the number of edits.
+fn edit_in_place(
+    rules: &mut String,
+    chain: &str,
+    edits: &LineEdits,
+    fragments: &[(&ServiceFragment, bool)],
+    lines_of: impl Fn(&ServiceFragment) -> &String,
+) -> usize {
+    let prefix = format!("-A {chain} ");
+    for line in &edits.gone {
+        if let Some(spec) = line.strip_prefix(&prefix) {
+            let _ = writeln!(rules, "-D {chain} {spec}");
+        }
+    }
+    let mut position = 0usize;
+    for (f, _) in fragments {
+        for line in lines_of(f).lines() {
+            position += 1;
+            if edits.new.contains(line)
+                && let Some(spec) = line.strip_prefix(&prefix)
+            {
+                let _ = writeln!(rules, "-I {chain} {position} {spec}");
+            }
+        }
+    }
+    edits.len()
 }
 
 /// A full sync by whole-table replacement (see [`REPLACE_TABLES_ABOVE_CHAINS`]).
@@ -538,6 +641,8 @@ impl<I: Iptables> Proxier for IptablesProxier<I> {
     fn configure(&mut self, ctx: &SyncContext<'_>) {
         let mut opts = IptablesRenderOptions::from_config(ctx.config, self.ipt.family(), ctx.node);
         opts.tcp_be_liberal = ctx.tcp_be_liberal;
+        // Whether the nfacct counters exist was settled when the proxier was made (at start).
+        opts.nfacct = self.opts.nfacct;
         self.set_options(opts);
     }
 
@@ -647,6 +752,33 @@ mod tests {
     }
 
     #[test]
+    fn configure_keeps_the_nfacct_counters_the_proxier_was_made_with() {
+        let cfg = crate::config::ProxyConfig::resolve(&crate::config::Flags::default()).unwrap();
+        let node = crate::model::NodeInfo::default();
+        let ctx = SyncContext {
+            config: &cfg,
+            node: &node,
+            tcp_be_liberal: false,
+        };
+        let with = IptablesRenderOptions {
+            nfacct: true,
+            ..IptablesRenderOptions::default()
+        };
+        let st = state(vec![port("a", 1, Protocol::Tcp, &[1])]);
+        for (opts, counted) in [(with, true), (IptablesRenderOptions::default(), false)] {
+            let mut p = IptablesProxier::new(Fake::default(), opts);
+            p.configure(&ctx);
+            p.sync(&st).unwrap();
+            let restore = &p.iptables().restores[0];
+            assert_eq!(
+                restore.contains("-m nfacct --nfacct-name ct_state_invalid_dropped_pkts -j DROP"),
+                counted,
+                "{restore}"
+            );
+        }
+    }
+
+    #[test]
     fn unchanged_state_writes_nothing() {
         let st = state(vec![port("a", 1, Protocol::Tcp, &[1, 2])]);
         let mut p = IptablesProxier::new(Fake::default(), opts());
@@ -689,7 +821,7 @@ mod tests {
     }
 
     #[test]
-    fn new_service_rewrites_kube_services_and_losing_endpoints_orders_filter_first() {
+    fn new_service_inserts_its_kube_services_rule_and_losing_endpoints_orders_filter_first() {
         let one = state(vec![port("a", 1, Protocol::Tcp, &[1])]);
         let two = state(vec![
             port("a", 1, Protocol::Tcp, &[1]),
@@ -699,7 +831,14 @@ mod tests {
         p.sync(&one).unwrap();
         p.sync(&two).unwrap();
         let input = p.iptables().restores.last().unwrap().clone();
-        assert!(declared(&input).contains(&"KUBE-SERVICES"));
+        assert!(
+            !declared(&input).contains(&"KUBE-SERVICES"),
+            "not rewritten whole: {input}"
+        );
+        assert!(
+            input.contains("-I KUBE-SERVICES 2 -m comment --comment \"ns/b:p cluster IP\""),
+            "b's rule inserted after a's: {input}"
+        );
         assert!(input.starts_with("*nat"), "gaining endpoints: DNAT first: {input}");
         let none = state(vec![
             port("a", 1, Protocol::Tcp, &[1]),
@@ -711,6 +850,101 @@ mod tests {
             input.starts_with("*filter") && input.contains("ns/b:p has no endpoints"),
             "{input}"
         );
+        let b = crate::iptables::names::service_port_chains("ns/b:p", "tcp").cluster;
+        assert!(
+            input.contains("-D KUBE-SERVICES -m comment --comment \"ns/b:p cluster IP\"")
+                && input.contains(&format!("-X {b}")),
+            "only b's rule goes, before its chain: {input}"
+        );
+        assert!(input.find("-D KUBE-SERVICES") < input.find(&format!("-X {b}")));
+    }
+
+    /// A model of the tables `iptables-restore --noflush` input builds: table → chain → rules
+    /// (as `-A CHAIN …`), with the commands the proxier sends. Like the kernel it refuses a
+    /// `-D` of a rule that is not there and an `-I` past the end.
+    #[derive(Default, Debug, PartialEq)]
+    struct Tables(std::collections::BTreeMap<String, std::collections::BTreeMap<String, Vec<String>>>);
+
+    impl Tables {
+        fn apply(&mut self, input: &str) {
+            let mut table = String::new();
+            for line in input.lines() {
+                let words: Vec<&str> = line.splitn(3, ' ').collect();
+                if let Some(t) = line.strip_prefix('*') {
+                    table = t.to_string();
+                    self.0.entry(table.clone()).or_default();
+                    continue;
+                }
+                let chains = self.0.get_mut(&table).expect("a table first");
+                if let Some(decl) = line.strip_prefix(':') {
+                    let chain = decl.split_whitespace().next().unwrap().to_string();
+                    chains.insert(chain, Vec::new());
+                    continue;
+                }
+                match words.as_slice() {
+                    ["-A", chain, rest] => chains
+                        .entry(chain.to_string())
+                        .or_default()
+                        .push(format!("-A {chain} {rest}")),
+                    ["-D", chain, rest] => {
+                        let rules = chains.get_mut(*chain).expect("chain exists");
+                        let i = rules
+                            .iter()
+                            .position(|r| *r == format!("-A {chain} {rest}"))
+                            .unwrap_or_else(|| panic!("no rule to delete: {line}"));
+                        rules.remove(i);
+                    }
+                    ["-I", chain, rest] => {
+                        let (n, spec) = rest.split_once(' ').unwrap();
+                        let n: usize = n.parse().unwrap();
+                        let rules = chains.get_mut(*chain).expect("chain exists");
+                        assert!(n >= 1 && n <= rules.len() + 1, "index of insertion too big: {line}");
+                        rules.insert(n - 1, format!("-A {chain} {spec}"));
+                    }
+                    ["-X", chain] | ["-X", chain, ..] => {
+                        chains.remove(*chain);
+                    }
+                    ["COMMIT"] | [""] => {}
+                    other => panic!("unexpected line {other:?}"),
+                }
+            }
+        }
+    }
+
+    proptest::proptest! {
+        /// After any sequence of states synced incrementally (Services coming and going,
+        /// gaining and losing endpoints, NodePorts), the tables hold exactly what a full
+        /// render of the last state writes into empty tables, rule order included.
+        #[test]
+        fn incremental_syncs_leave_what_a_full_render_leaves(steps in proptest::collection::vec(proptest::collection::vec(0u8..5, 6), 1..12)) {
+            let mut p = IptablesProxier::new(Fake::default(), opts());
+            let mut tables = Tables::default();
+            for step in steps {
+                let ports: Vec<ServicePortState> = step
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, n)| **n != 4)
+                    .map(|(i, n)| {
+                        let eps: Vec<u8> = (1..=*n).map(|e| e + 10 * i as u8).collect();
+                        let mut sp = port(&format!("s{i}"), i as u8 + 1, Protocol::Tcp, &eps);
+                        if i % 2 == 0 {
+                            sp.port.node_port = 30000 + i as u16;
+                        }
+                        sp
+                    })
+                    .collect();
+                let st = state(ports);
+                p.sync(&st).unwrap();
+                let input = p.iptables().restores.last().cloned().unwrap_or_default();
+                if !p.iptables().restores.is_empty() {
+                    tables.apply(&input);
+                    p.iptables().restores.clear();
+                }
+                let mut fresh = Tables::default();
+                fresh.apply(&render(&st, &opts()).restore);
+                proptest::prop_assert_eq!(&tables, &fresh);
+            }
+        }
     }
 
     #[test]

@@ -322,9 +322,9 @@ impl<W: Write> Lab<'_, W> {
     /// Step 1: the Service as the daemon programmed it.
     fn show_the_service(&mut self) -> Result<()> {
         let source = match self.mode {
-            ProxyMode::Nftables => "nft list table ip kube-proxy",
-            ProxyMode::Iptables => "iptables-save -t nat",
-            ProxyMode::Ipvs => "ipvsadm -Ln",
+            ProxyMode::Nftables => "nft list table ip kube-proxy".to_string(),
+            ProxyMode::Iptables => format!("{} -t nat", save_tool()),
+            ProxyMode::Ipvs => "ipvsadm -Ln".to_string(),
         };
         let what = if self.ipvs() { "virtual server" } else { "chains" };
         writeln!(
@@ -414,7 +414,7 @@ impl<W: Write> Lab<'_, W> {
             }
             ProxyMode::Iptables => {
                 let reject = format!("{SERVICE} has no endpoints");
-                let filter = || bed.node.exec_ok("iptables-save", ["-t", "filter"]).unwrap_or_default();
+                let filter = || bed.node.exec_ok(save_tool(), ["-t", "filter"]).unwrap_or_default();
                 if poll(CHANGE_TIMEOUT, || filter().contains(&reject)).is_some() {
                     for l in filter().lines().filter(|l| l.contains(&reject)) {
                         writeln!(self.out, "   filter: {l}")?;
@@ -654,7 +654,13 @@ fn show_service(out: &mut impl Write, bed: &Testbed, nft: bool, svc_chain: &str)
 }
 
 fn bed_nat(bed: &Testbed) -> Result<String> {
-    bed.node.exec_ok("iptables-save", ["-t", "nat"])
+    bed.node.exec_ok(save_tool(), ["-t", "nat"])
+}
+
+/// `iptables-save` of the backend the daemon programs in the lab's node namespace, which has no
+/// rules before it starts.
+fn save_tool() -> String {
+    crate::iptables::backend::on_empty_node().tool(crate::model::IpFamily::V4, "-save")
 }
 
 /// The entry rule in KUBE-SERVICES, the service chain and the endpoint chains it jumps to.

@@ -8,8 +8,8 @@ use std::net::IpAddr;
 
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
+use super::addr::parse_ip_sloppy;
 use super::places::Place;
-use super::services::parse_ip;
 use super::{
     IpFamily, LABEL_HEADLESS, LABEL_SERVICE_NAME, LABEL_SERVICE_PROXY_NAME, Protocol, ServicePortName, is_valid_name,
     is_valid_port_name,
@@ -212,7 +212,7 @@ impl SliceEntry {
                 warnings.push(format!("{id}: field endpoints[{i}].addresses: empty; endpoint skipped"));
                 continue;
             };
-            let Some(ip) = parse_ip(raw) else {
+            let Some(ip) = parse_ip_sloppy(raw) else {
                 warnings.push(format!(
                     "{id}: field endpoints[{i}].addresses[0]: invalid IP {raw:?}; endpoint skipped"
                 ));

@@ -3,15 +3,16 @@
 //! EndpointSlice cache and `CategorizeEndpoints`). Pure functions over data: no I/O, no root.
 //!
 //! Bad input never panics and never poisons other objects: an invalid Service, port, IP or
-//! endpoint is skipped with a warning that names the object and the field.
+//! endpoint is skipped with a warning that names the object and the field. Addresses are
+//! parsed as upstream parses them, leading zeros included ([`addr`]).
 
+pub mod addr;
 mod endpoints;
 pub mod places;
 mod services;
 pub mod store;
 pub mod synthetic;
-#[cfg(test)]
-pub(crate) mod testing;
+pub mod testing;
 mod topology;
 mod types;
 
@@ -22,6 +23,7 @@ use std::sync::Arc;
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::Node;
 
+pub use addr::{parse_cidr_sloppy, parse_ip_sloppy};
 pub use endpoints::{Endpoint, Hints, SliceEntry, SlicePort, endpoints_by_service_port};
 pub use places::Place;
 pub use services::{ServiceEntry, ServicePort, ServicePortName, service_ports};
@@ -75,6 +77,13 @@ impl NodeInfo {
                 {
                     info.pod_cidrs.push(c.clone());
                 }
+                // Leading zeros normalised (what is not a CIDR stays as it is, for the
+                // detector to refuse).
+                for c in &mut info.pod_cidrs {
+                    if let Some(net) = parse_cidr_sloppy(c) {
+                        *c = net.to_string();
+                    }
+                }
             }
             let addresses = node
                 .status
@@ -83,7 +92,7 @@ impl NodeInfo {
                 .unwrap_or_default();
             for wanted in ["InternalIP", "ExternalIP"] {
                 for a in addresses.iter().filter(|a| a.type_ == wanted) {
-                    if let Ok(ip) = a.address.trim().parse::<IpAddr>()
+                    if let Some(ip) = parse_ip_sloppy(&a.address)
                         && !info.addresses.contains(&ip)
                     {
                         info.addresses.push(ip);

@@ -7,6 +7,7 @@ use std::net::IpAddr;
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::{Service, ServicePort as ApiServicePort, ServiceSpec};
 
+use super::addr::{parse_cidr_sloppy, parse_ip_sloppy};
 use super::{IpFamily, LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME, Protocol, is_valid_name, is_valid_port_name};
 
 /// Upstream's `ServicePortName`: `ns/name` plus the port name, with the protocol carried
@@ -284,7 +285,7 @@ impl Conversion<'_> {
 
     /// The IP in `field` if it is of this family; an invalid one is warned about.
     fn ip_of_family(&mut self, field: impl FnOnce() -> String, raw: &str) -> Option<IpAddr> {
-        match parse_ip(raw) {
+        match parse_ip_sloppy(raw) {
             Some(ip) => self.family.contains(&ip).then_some(ip),
             None => {
                 self.warn(&field(), &format!("invalid IP {raw:?}; skipped"));
@@ -308,14 +309,14 @@ impl Conversion<'_> {
         let ranges_raw = spec.load_balancer_source_ranges.clone().unwrap_or_default();
         let mut any_valid_range = false;
         for (i, raw) in ranges_raw.iter().enumerate() {
-            match raw.trim().parse::<IpNet>() {
-                Ok(net) => {
+            match parse_cidr_sloppy(raw) {
+                Some(net) => {
                     any_valid_range = true;
                     if self.family.contains(&net.addr()) {
                         ranges.push(net.trunc());
                     }
                 }
-                Err(_) => self.warn(
+                None => self.warn(
                     &format!("spec.loadBalancerSourceRanges[{i}]"),
                     &format!("invalid CIDR {raw:?}; skipped"),
                 ),
@@ -423,7 +424,7 @@ fn cluster_ip_of_family(
             .collect(),
     };
     for (field, raw) in &candidates {
-        match parse_ip(raw) {
+        match parse_ip_sloppy(raw) {
             Some(ip) => {
                 if family.contains(&ip) {
                     return Some(ip);
@@ -433,10 +434,4 @@ fn cluster_ip_of_family(
         }
     }
     None
-}
-
-/// Parses an IP the way Kubernetes writes them (no zone, no brackets); leading zeros are
-/// rejected by Rust's parser, which is stricter than upstream's "sloppy" parse on purpose.
-pub(crate) fn parse_ip(raw: &str) -> Option<IpAddr> {
-    raw.trim().parse::<IpAddr>().ok()
 }

@@ -20,6 +20,7 @@ use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::networking::v1::ServiceCIDR;
 
+use super::addr::parse_cidr_sloppy;
 use super::endpoints::{EndpointMerge, SliceEntry};
 use super::services::{ServiceEntry, sort_and_dedup};
 use super::{IpFamily, NodeInfo, ProxyState, ServicePortState};
@@ -400,10 +401,10 @@ fn service_cidrs(list: &[ServiceCIDR], family: IpFamily, warnings: &mut Vec<Stri
         let name = sc.metadata.name.as_deref().unwrap_or("<unnamed>");
         let cidrs = sc.spec.as_ref().and_then(|s| s.cidrs.as_ref());
         for (i, cidr) in cidrs.into_iter().flatten().enumerate() {
-            match cidr.trim().parse::<IpNet>() {
-                Ok(net) if family.contains(&net.addr()) => out.push(net.trunc()),
-                Ok(_) => {}
-                Err(_) => warnings.push(format!(
+            match parse_cidr_sloppy(cidr) {
+                Some(net) if family.contains(&net.addr()) => out.push(net.trunc()),
+                Some(_) => {}
+                None => warnings.push(format!(
                     "ServiceCIDR {name}: field spec.cidrs[{i}]: invalid CIDR {cidr:?}; skipped"
                 )),
             }
@@ -440,6 +441,22 @@ pub fn service_entry(svc: &Service) -> Arc<ServiceEntry> {
 /// Converts one EndpointSlice as seen by the node `node_name`.
 pub fn slice_entry(slice: &EndpointSlice, node_name: &str) -> Arc<SliceEntry> {
     Arc::new(SliceEntry::from_slice(slice, node_name))
+}
+
+/// A ServiceCIDR reduced to what the proxy reads, its name and CIDRs, whichever API version it
+/// came in (`networking.k8s.io/v1` or `v1beta1` share the fields): an update that changes
+/// neither (status, labels, resource version) converts to an equal entry.
+pub fn service_cidr_entry(name: Option<&str>, cidrs: Option<&[String]>) -> ServiceCIDR {
+    ServiceCIDR {
+        metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+            name: name.map(str::to_string),
+            ..Default::default()
+        },
+        spec: Some(k8s_openapi::api::networking::v1::ServiceCIDRSpec {
+            cidrs: cidrs.map(<[String]>::to_vec),
+        }),
+        status: None,
+    }
 }
 
 #[cfg(test)]

@@ -7,8 +7,8 @@
 //! - `parse` (pure): a datagram split into [`RawMsg`]s, attributes read back ([`Attrs`]), and
 //!   the kernel's `NLMSG_ERROR` ([`ErrorReply`]: errno, echoed sequence number, extack text),
 //!   none of it trusting a length.
-//! - `socket`: sending and receiving datagrams on a `netlink_sys::Socket`, interrupted calls
-//!   retried; a whole dump read ([`dump`]).
+//! - `socket`: opening a `NETLINK_NETFILTER` socket; sending and receiving datagrams on a
+//!   `netlink_sys::Socket`, interrupted calls retried; a whole dump read ([`dump`]).
 //!
 //! What a family puts in its messages (genetlink's or nfnetlink's header, nftables' batches,
 //! the kernel's constants of that family) stays in the family's own `wire` module.
@@ -23,7 +23,7 @@ pub use msg::MsgBuf;
 pub use parse::{
     Attrs, ErrorReply, RawMsg, attributes_of, messages, parse_error, read_i32, read_u16, read_u32, split_messages,
 };
-pub use socket::{Dumped, drain, dump, get, recv, send};
+pub use socket::{Channel, Dumped, drain, dump, get, netfilter_socket, recv, send};
 
 /// Netlink header flags (`linux/netlink.h`).
 pub const NLM_F_REQUEST: u16 = 0x1;

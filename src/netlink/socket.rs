@@ -3,10 +3,69 @@
 
 use std::io;
 
-use netlink_sys::Socket;
+use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
 use nix::libc::{MSG_DONTWAIT, MSG_TRUNC, c_int};
 
 use super::{NLM_F_DUMP_INTR, NLMSG_DONE, NLMSG_ERROR, messages, parse_error};
+
+/// A `NETLINK_NETFILTER` socket, bound to a port id of the kernel's choosing and connected to
+/// the kernel, in the network namespace of the calling thread (nftables, ctnetlink, nfacct).
+pub fn netfilter_socket() -> io::Result<Socket> {
+    let mut socket = Socket::new(NETLINK_NETFILTER)?;
+    socket.bind_auto()?;
+    socket.connect(&SocketAddr::new(0, 0))?;
+    Ok(socket)
+}
+
+/// One conversation with the kernel over a `NETLINK_NETFILTER` socket: the socket, the
+/// sequence numbers of its requests, and the buffer replies are read into (ctnetlink, nfacct).
+pub struct Channel {
+    socket: Socket,
+    seq: u32,
+    buf: Vec<u8>,
+}
+
+impl std::fmt::Debug for Channel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Channel")
+            .field("seq", &self.seq)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Channel {
+    /// A [`netfilter_socket`] reading replies of up to `buffer` bytes.
+    pub fn netfilter(buffer: usize) -> io::Result<Channel> {
+        Ok(Channel {
+            socket: netfilter_socket()?,
+            seq: 0,
+            buf: vec![0; buffer],
+        })
+    }
+
+    /// The sequence number of the next request.
+    pub fn next_seq(&mut self) -> u32 {
+        self.seq = self.seq.wrapping_add(1);
+        self.seq
+    }
+
+    /// Sends one request or batch (see [`send`]).
+    pub fn send(&self, bytes: &[u8]) -> io::Result<()> {
+        send(&self.socket, bytes)
+    }
+
+    /// Receives one datagram: its bytes as far as the buffer holds them, and its length
+    /// (longer than the bytes when it did not fit).
+    pub fn recv(&mut self) -> io::Result<(&[u8], usize)> {
+        let n = recv(&self.socket, &mut self.buf, 0)?;
+        Ok((&self.buf[..n.min(self.buf.len())], n))
+    }
+
+    /// The capacity of the receive buffer.
+    pub fn buffer_len(&self) -> usize {
+        self.buf.len()
+    }
+}
 
 /// Sends `bytes` as one datagram; a short send (the kernel took part of it) is an error.
 pub fn send(socket: &Socket, bytes: &[u8]) -> io::Result<()> {

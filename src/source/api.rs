@@ -10,15 +10,27 @@
 //! are. Services and EndpointSlices are converted to the model's entries as they arrive
 //! (`model::store`); the k8s objects are not kept. Each event that changes what the proxy sees
 //! becomes an [`Update`] (an update that converts to an equal entry is none).
+//!
+//! ServiceCIDRs (nftables mode's `cluster-ips-check`) are watched as `networking.k8s.io/v1`,
+//! else as `v1beta1` where the API server answers the v1 list with 404 (the version is not
+//! served: before 1.33, where v1beta1 may be enabled); when neither is served the check has no
+//! ServiceCIDRs, and both are asked again every [`UNSERVED_RECHECK`]. The 404 of the list itself
+//! is the answer, so a cluster serving v1 costs no discovery request. They do not hold back the
+//! first sync (upstream's `isInitialized` waits for Services and EndpointSlices only), and a
+//! refused list (403: RBAC without `servicecidrs`) is retried like any other watch: the check
+//! only adds drops, so programming it a moment later loses nothing.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use anyhow::Context;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, ObjectReference, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::networking::v1::ServiceCIDR;
+use k8s_openapi::api::networking::v1beta1::ServiceCIDR as ServiceCIDRV1beta1;
 use kube::api::Api;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
@@ -112,6 +124,14 @@ impl<T: PartialEq + Clone> KindStore<T> {
             }
         }
     }
+
+    /// As [`KindStore::apply`], for kinds handed on whole: every object, if anything changed.
+    fn apply_whole<K: Resource>(&mut self, event: watcher::Event<K>, convert: impl Fn(&K) -> T) -> Option<Vec<T>> {
+        if self.apply(event, convert).is_empty() {
+            return None;
+        }
+        Some(self.objects.values().cloned().collect())
+    }
 }
 
 #[derive(Default)]
@@ -119,6 +139,7 @@ struct Watched {
     services: KindStore<Arc<ServiceEntry>>,
     slices: KindStore<Arc<SliceEntry>>,
     nodes: KindStore<Node>,
+    service_cidrs: KindStore<ServiceCIDR>,
 }
 
 impl Watched {
@@ -200,14 +221,16 @@ impl ApiSource {
         runtime.spawn(watch(
             Api::<Node>::all(client.clone()),
             node_cfg,
-            (store, updates, status),
+            (store.clone(), updates.clone(), status.clone()),
             |w, e| {
-                if w.nodes.apply(e, Node::clone).is_empty() {
-                    return Vec::new();
-                }
-                vec![Change::Nodes(w.nodes.objects.values().cloned().collect())]
+                w.nodes
+                    .apply_whole(e, Node::clone)
+                    .map(Change::Nodes)
+                    .into_iter()
+                    .collect()
             },
         ));
+        runtime.spawn(watch_service_cidrs(client.clone(), (store, updates, status)));
         runtime.spawn(birth_cry(client, node_name.to_string()));
         Ok(ApiSource { _runtime: runtime })
     }
@@ -245,12 +268,38 @@ async fn client(cfg: &ClientConnection) -> anyhow::Result<Client> {
 /// Where a watch delivers: the shared store, the daemon's channel, the source's status.
 type WatchSinks = (Arc<Mutex<Watched>>, UnboundedSender<Update>, SourceStatus);
 
+/// Watches one kind for as long as the daemon runs.
 async fn watch<K>(
     api: Api<K>,
     config: watcher::Config,
     (store, updates, status): WatchSinks,
     apply: impl Fn(&mut Watched, watcher::Event<K>) -> Vec<Change> + Send + 'static,
 ) where
+    K: Resource + Clone + DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
+    K::DynamicType: Default,
+{
+    watch_until(api, config, (store, updates, status), apply, false).await;
+}
+
+/// Why [`watch_until`] stopped.
+#[derive(Debug, PartialEq, Eq)]
+enum WatchEnd {
+    /// The daemon is gone (or the store poisoned): nothing more to do.
+    Closed,
+    /// The API server answered 404: it does not serve this kind in this version.
+    NotServed,
+}
+
+/// Watches one kind until the daemon is gone or, with `stop_if_not_served`, until the API
+/// server says it does not serve it (any other error is retried with the backoff).
+async fn watch_until<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    (store, updates, status): WatchSinks,
+    apply: impl Fn(&mut Watched, watcher::Event<K>) -> Vec<Change> + Send + 'static,
+    stop_if_not_served: bool,
+) -> WatchEnd
+where
     K: Resource + Clone + DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
     K::DynamicType: Default,
 {
@@ -267,14 +316,15 @@ async fn watch<K>(
                         let synced = w.synced();
                         (!changes.is_empty() || synced != was_synced).then_some(Update { changes, synced })
                     }
-                    Err(_) => return,
+                    Err(_) => return WatchEnd::Closed,
                 };
                 if let Some(update) = update
                     && updates.send(update).is_err()
                 {
-                    return;
+                    return WatchEnd::Closed;
                 }
             }
+            Err(e) if stop_if_not_served && not_served(&e) => return WatchEnd::NotServed,
             // The backoff spaces retries; the store (and so the rules) stay as they are.
             Err(e) => {
                 status.failed(&name, &e.to_string());
@@ -282,32 +332,151 @@ async fn watch<K>(
             }
         }
     }
+    WatchEnd::Closed
+}
+
+/// A 404 from the API server: the resource is not served at that group and version.
+fn not_served(e: &watcher::Error) -> bool {
+    match e {
+        watcher::Error::InitialListFailed(kube::Error::Api(s))
+        | watcher::Error::WatchStartFailed(kube::Error::Api(s))
+        | watcher::Error::WatchFailed(kube::Error::Api(s)) => s.code == 404,
+        watcher::Error::WatchError(s) => s.code == 404,
+        _ => false,
+    }
+}
+
+/// How long to wait before asking again for ServiceCIDRs that neither version serves.
+pub const UNSERVED_RECHECK: Duration = Duration::from_secs(300);
+
+/// ServiceCIDRs, as `networking.k8s.io/v1` or, where that is not served, `v1beta1` (both
+/// converted to the same entry); neither served: asked again every [`UNSERVED_RECHECK`].
+async fn watch_service_cidrs(client: Client, sinks: WatchSinks) {
+    let mut said = false;
+    loop {
+        if watch_service_cidr_version(&client, &sinks, v1_cidrs).await == WatchEnd::Closed {
+            return;
+        }
+        if !said {
+            info!("networking.k8s.io/v1 ServiceCIDRs are not served; watching networking.k8s.io/v1beta1");
+        }
+        if watch_service_cidr_version(&client, &sinks, v1beta1_cidrs).await == WatchEnd::Closed {
+            return;
+        }
+        if !said {
+            info!(
+                recheck_s = UNSERVED_RECHECK.as_secs(),
+                "ServiceCIDRs are not served (neither networking.k8s.io/v1 nor v1beta1): nftables mode drops no traffic to unallocated ClusterIPs"
+            );
+            said = true;
+        }
+        tokio::time::sleep(UNSERVED_RECHECK).await;
+    }
+}
+
+/// `spec.cidrs` of a `networking.k8s.io/v1` ServiceCIDR.
+fn v1_cidrs(c: &ServiceCIDR) -> Option<&[String]> {
+    c.spec.as_ref()?.cidrs.as_deref()
+}
+
+/// `spec.cidrs` of a `networking.k8s.io/v1beta1` ServiceCIDR.
+fn v1beta1_cidrs(c: &ServiceCIDRV1beta1) -> Option<&[String]> {
+    c.spec.as_ref()?.cidrs.as_deref()
+}
+
+/// Watches the ServiceCIDRs of one API version (`cidrs` reads its `spec.cidrs`) until the daemon
+/// is gone or the version is not served.
+async fn watch_service_cidr_version<K>(
+    client: &Client,
+    sinks: &WatchSinks,
+    cidrs: fn(&K) -> Option<&[String]>,
+) -> WatchEnd
+where
+    K: Resource + Clone + DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
+    K::DynamicType: Default,
+{
+    let apply = move |w: &mut Watched, e: watcher::Event<K>| service_cidr_changes(w, e, cidrs);
+    let api = Api::<K>::all(client.clone());
+    watch_until(api, watcher::Config::default(), sinks.clone(), apply, true).await
+}
+
+/// The ServiceCIDRs, whole, if `event` changed them (`cidrs` reads an object's `spec.cidrs`).
+fn service_cidr_changes<K: Resource>(
+    w: &mut Watched,
+    event: watcher::Event<K>,
+    cidrs: fn(&K) -> Option<&[String]>,
+) -> Vec<Change> {
+    let convert = |c: &K| store::service_cidr_entry(c.meta().name.as_deref(), cidrs(c));
+    let all = w.service_cidrs.apply_whole(event, convert);
+    all.map(Change::ServiceCidrs).into_iter().collect()
 }
 
 /// Upstream's "Starting" event on the Node (its `birthCry`).
 async fn birth_cry(client: Client, node_name: String) {
-    let reporter = Reporter {
-        controller: "kube-proxy".into(),
-        instance: Some(node_name.clone()),
-    };
-    let recorder = Recorder::new(client, reporter);
-    let node = ObjectReference {
-        kind: Some("Node".into()),
-        name: Some(node_name.clone()),
-        uid: Some(node_name.clone()),
-        api_version: Some("v1".into()),
-        ..ObjectReference::default()
-    };
     let event = KubeEvent {
         type_: EventType::Normal,
         reason: "Starting".into(),
         note: None,
-        action: "StartKubeProxy".into(),
+        action: START_ACTION.into(),
         secondary: None,
     };
-    match recorder.publish(&event, &node).await {
-        Ok(()) => info!(node = %node_name, "Emitted the Starting event"),
-        Err(e) => warn!(error = %e, "Could not emit the Starting event"),
+    publish_on_node(client, &node_name, &event).await;
+}
+
+/// The action of the events kube-proxy emits while it starts.
+const START_ACTION: &str = "StartKubeProxy";
+
+/// A Warning event about starting, as upstream's `Recorder.Eventf(NodeRef, nil, Warning,
+/// reason, "StartKubeProxy", note)`.
+pub fn start_warning(reason: &str, note: &str) -> KubeEvent {
+    KubeEvent {
+        type_: EventType::Warning,
+        reason: reason.into(),
+        note: Some(note.into()),
+        action: START_ACTION.into(),
+        secondary: None,
+    }
+}
+
+/// Emits `event` on the Node `node_name`, reaching the API as `cc` says, from a thread of its
+/// own: the daemon does not wait for it, and a failure is logged.
+pub fn emit_on_node(cc: &ClientConnection, node_name: &str, event: KubeEvent) {
+    let (cc, node_name) = (cc.clone(), node_name.to_string());
+    let spawned = std::thread::Builder::new().name("kube-event".into()).spawn(move || {
+        let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+            Ok(r) => r,
+            Err(e) => return warn!(error = %e, reason = %event.reason, "Could not emit the event"),
+        };
+        runtime.block_on(async {
+            match client(&cc).await {
+                Ok(c) => publish_on_node(c, &node_name, &event).await,
+                Err(e) => warn!(error = %format!("{e:#}"), reason = %event.reason, "Could not emit the event"),
+            }
+        });
+    });
+    if let Err(e) = spawned {
+        warn!(error = %e, "Could not start the thread that emits an event");
+    }
+}
+
+/// Publishes `event` about the Node `node_name` as kube-proxy (events.k8s.io, with the Node's
+/// name as its UID, as upstream's `NodeRef`).
+async fn publish_on_node(client: Client, node_name: &str, event: &KubeEvent) {
+    let reporter = Reporter {
+        controller: "kube-proxy".into(),
+        instance: Some(node_name.to_string()),
+    };
+    let recorder = Recorder::new(client, reporter);
+    let node = ObjectReference {
+        kind: Some("Node".into()),
+        name: Some(node_name.to_string()),
+        uid: Some(node_name.to_string()),
+        api_version: Some("v1".into()),
+        ..ObjectReference::default()
+    };
+    match recorder.publish(event, &node).await {
+        Ok(()) => info!(node = %node_name, reason = %event.reason, "Emitted an event"),
+        Err(e) => warn!(error = %e, reason = %event.reason, "Could not emit the event"),
     }
 }
 
@@ -357,6 +526,70 @@ mod tests {
         );
         assert_eq!(k.apply(watcher::Event::Delete(svc("c")), conv).len(), 1);
         assert!(k.apply(watcher::Event::Delete(svc("zzz")), conv).is_empty());
+    }
+
+    #[test]
+    fn only_a_404_means_not_served() {
+        let api = |code| kube::Error::Api(kube::core::Status::failure("x", "y").with_code(code).boxed());
+        assert!(not_served(&watcher::Error::InitialListFailed(api(404))));
+        assert!(not_served(&watcher::Error::WatchStartFailed(api(404))));
+        assert!(not_served(&watcher::Error::WatchError(
+            kube::core::Status::failure("x", "NotFound").with_code(404).boxed()
+        )));
+        for retried in [403, 410, 500, 503] {
+            assert!(
+                !not_served(&watcher::Error::InitialListFailed(api(retried))),
+                "{retried}"
+            );
+        }
+        assert!(!not_served(&watcher::Error::NoResourceVersion));
+    }
+
+    #[test]
+    fn service_cidrs_of_either_version_convert_alike_and_only_their_cidrs_count() {
+        let mut w = Watched::default();
+        let v1 = |rv: &str, cidrs: &[&str]| {
+            let mut c = ServiceCIDR::default();
+            c.metadata.name = Some("kubernetes".into());
+            c.metadata.resource_version = Some(rv.into());
+            c.spec = Some(k8s_openapi::api::networking::v1::ServiceCIDRSpec {
+                cidrs: Some(cidrs.iter().map(|s| s.to_string()).collect()),
+            });
+            c
+        };
+        let changes = service_cidr_changes(&mut w, watcher::Event::Apply(v1("1", &["10.96.0.0/16"])), v1_cidrs);
+        assert!(
+            matches!(&changes[..], [Change::ServiceCidrs(l)] if l.len() == 1),
+            "{changes:?}"
+        );
+        assert!(
+            service_cidr_changes(&mut w, watcher::Event::Apply(v1("2", &["10.96.0.0/16"])), v1_cidrs).is_empty(),
+            "a new resource version with the same CIDRs is no change"
+        );
+        // The same object as v1beta1 (after a fallback) is the same entry.
+        let mut beta = ServiceCIDRV1beta1::default();
+        beta.metadata.name = Some("kubernetes".into());
+        beta.spec = Some(k8s_openapi::api::networking::v1beta1::ServiceCIDRSpec {
+            cidrs: Some(vec!["10.96.0.0/16".into()]),
+        });
+        assert!(service_cidr_changes(&mut w, watcher::Event::Apply(beta.clone()), v1beta1_cidrs).is_empty());
+        beta.spec = Some(k8s_openapi::api::networking::v1beta1::ServiceCIDRSpec {
+            cidrs: Some(vec!["10.96.0.0/16".into(), "10.97.0.0/24".into()]),
+        });
+        let changes = service_cidr_changes(&mut w, watcher::Event::Apply(beta.clone()), v1beta1_cidrs);
+        let Some(Change::ServiceCidrs(list)) = changes.first() else {
+            panic!("{changes:?}")
+        };
+        assert_eq!(
+            list[0].spec.as_ref().and_then(|s| s.cidrs.clone()).map(|c| c.len()),
+            Some(2)
+        );
+        let changes = service_cidr_changes(&mut w, watcher::Event::Delete(beta), v1beta1_cidrs);
+        assert!(
+            matches!(&changes[..], [Change::ServiceCidrs(l)] if l.is_empty()),
+            "{changes:?}"
+        );
+        assert!(!w.synced(), "ServiceCIDRs do not make the source synced");
     }
 
     #[test]

@@ -106,11 +106,41 @@ impl Cluster {
 
     /// Starts the daemon and waits for its first sync.
     pub fn start_daemon(&mut self) {
+        let daemon = self.spawn_synced_daemon();
+        self.daemon = Some(daemon);
+    }
+
+    /// Starts the daemon in `self.mode` and waits for its first sync.
+    pub fn spawn_synced_daemon(&self) -> ChildGuard {
         let daemon = self.spawn_daemon(&[]);
         daemon
             .wait_for_log("Synced rules", Duration::from_secs(20))
             .expect("first sync");
-        self.daemon = Some(daemon);
+        daemon
+    }
+
+    /// iptables mode's rules in nat, filter and mangle, as `iptables-save` lines (kubelet's
+    /// KUBE-FIREWALL, which iptables mode also writes, is not removed on a switch).
+    pub fn iptables_mode_rules(&self) -> Vec<String> {
+        let mangle = self
+            .bed
+            .node
+            .exec_ok("iptables-save", ["-t", "mangle"])
+            .expect("iptables-save");
+        format!("{}{}{mangle}", self.nat(), self.filter())
+            .lines()
+            .filter(|l| l.contains("KUBE-") && !l.contains("KUBE-FIREWALL"))
+            .map(str::to_string)
+            .collect()
+    }
+
+    /// Whether nftables mode's table is there.
+    pub fn nftables_table(&self) -> bool {
+        self.bed
+            .node
+            .exec_ok("nft", ["list", "tables"])
+            .expect("nft list tables")
+            .contains("kube-proxy")
     }
 
     /// Spawns the daemon on the manifest directory, with `env` settings (`NAME=VALUE`) first,

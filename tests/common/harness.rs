@@ -128,6 +128,19 @@ pub fn unmet(needs: &[Requirement]) -> Option<String> {
     (!unmet.is_empty()).then(|| format!("needs {}", unmet.join("; ")))
 }
 
+/// What a test that runs the daemon in a test bed (`kube_proxy::lab::testbed`) needs, in
+/// iptables or nftables mode, with the tools the tests read the rules with.
+#[allow(dead_code)]
+pub const DAEMON_IN_A_BED: &[Requirement] = &[
+    Requirement::Root,
+    Requirement::Tool("ip"),
+    Requirement::Tool("sysctl"),
+    Requirement::Tool("iptables"),
+    Requirement::Tool("iptables-save"),
+    Requirement::Tool("iptables-restore"),
+    Requirement::Tool("nft"),
+];
+
 /// One test: a name (what filters and `--exact` match), what it needs, and its body.
 pub struct Test {
     name: String,

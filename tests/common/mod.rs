@@ -1,14 +1,17 @@
 //! Helpers shared by the integration tests: running the real binary on scenario files, the
 //! states the scenarios make, looking up tools, polling with a deadline, manifest directories;
-//! network namespaces ([`netns`]) and the harness of the tests that need root or a kernel
-//! feature ([`harness`]).
+//! network namespaces ([`netns`]), the harness of the tests that need root or a kernel
+//! feature ([`harness`]), and the connection load of the mode-switch tests ([`load`]).
 #![allow(dead_code)]
 
 pub mod cluster;
 pub mod explain;
 pub mod harness;
+pub mod load;
 pub mod netns;
 
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -229,4 +232,21 @@ impl Drop for ManifestDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
     }
+}
+
+/// `GET path` over plain HTTP/1.0 from inside `ns`: (status, body).
+pub fn http_get(ns: &str, addr: SocketAddr, path: &str) -> Option<(u16, String)> {
+    netns::in_netns(ns, || {
+        let mut s = TcpStream::connect_timeout(&addr, Duration::from_millis(500)).ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+        write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").ok()?;
+        let mut text = String::new();
+        s.read_to_string(&mut text).ok()?;
+        let status = text.split_whitespace().nth(1)?.parse().ok()?;
+        let body = text
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_string())
+            .unwrap_or_default();
+        Some((status, body))
+    })
 }

@@ -10,7 +10,7 @@
 use std::io;
 use std::os::fd::AsFd;
 
-use netlink_sys::{Socket, SocketAddr as NlSocketAddr, protocols::NETLINK_NETFILTER};
+use netlink_sys::Socket;
 use nix::errno::Errno;
 use nix::sys::socket::{setsockopt, sockopt};
 
@@ -142,9 +142,7 @@ impl NftSocket {
     /// Opens the socket (sending needs CAP_NET_ADMIN) with extended acks (the kernel's error
     /// text) and capped acks (no echo of our message in error replies).
     pub fn new() -> io::Result<NftSocket> {
-        let mut socket = Socket::new(NETLINK_NETFILTER)?;
-        socket.bind_auto()?;
-        socket.connect(&NlSocketAddr::new(0, 0))?;
+        let socket = netlink::netfilter_socket()?;
         socket.set_ext_ack(true)?;
         socket.set_cap_ack(true)?;
         let mut s = NftSocket {

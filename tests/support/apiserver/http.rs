@@ -11,11 +11,17 @@ pub(super) async fn handle(
     body: Bytes,
 ) -> Response {
     let query = parse_query(uri.query());
-    let delay = {
+    let (delay, token) = {
         let mut st = sh.lock();
         st.requests.push(request_line(&method, uri.path(), &query));
-        st.delay
+        (st.delay, st.token.clone())
     };
+    if let Some(token) = token {
+        let sent = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+        if sent != Some(format!("Bearer {token}").as_str()) {
+            return status(StatusCode::UNAUTHORIZED, "Unauthorized", "Unauthorized");
+        }
+    }
     if !delay.is_zero() {
         tokio::time::sleep(delay).await;
     }
@@ -37,7 +43,8 @@ pub(super) fn route(
         }))
         .into_response();
     }
-    let Some((res, ns, name)) = parse_path(path) else {
+    let served = |res: &Resource| !sh.lock().unserved.contains(&res.api_version);
+    let Some((res, ns, name)) = parse_path(path).filter(|(res, _, _)| served(res)) else {
         return status(
             StatusCode::NOT_FOUND,
             "NotFound",
@@ -95,7 +102,7 @@ pub(super) fn parse_path(path: &str) -> Option<(&'static Resource, Option<String
 pub(super) fn get(sh: &Shared, res: &'static Resource, ns: &str, name: &str) -> Response {
     let st = sh.lock();
     match st.objects.get(&(res.kind, ns.to_string(), name.to_string())) {
-        Some(obj) => Json(obj.clone()).into_response(),
+        Some(obj) => Json(served_as(obj, res.api_version)).into_response(),
         None => not_found(res, name),
     }
 }
@@ -159,7 +166,7 @@ pub(super) fn list(sh: &Shared, res: &'static Resource, ns: Option<String>, q: &
         "apiVersion": res.api_version,
         "kind": format!("{}List", res.kind),
         "metadata": metadata,
-        "items": items[offset..end],
+        "items": items[offset..end].iter().map(|o| served_as(o, res.api_version)).collect::<Vec<_>>(),
     }))
     .into_response()
 }

@@ -4,8 +4,12 @@
 //! `Service`, `EndpointSlice`, `Node` and `ServiceCIDR` — and accepts `Event` writes:
 //!
 //! - `GET /api/v1/services`, `/apis/discovery.k8s.io/v1/endpointslices`, `/api/v1/nodes`,
-//!   `/apis/networking.k8s.io/v1/servicecidrs`, the namespaced forms
-//!   (`/api/v1/namespaces/{ns}/services`, …) and single objects (`…/{name}`), plus `/version`.
+//!   `/apis/networking.k8s.io/v1/servicecidrs` and `/apis/networking.k8s.io/v1beta1/servicecidrs`,
+//!   the namespaced forms (`/api/v1/namespaces/{ns}/services`, …) and single objects
+//!   (`…/{name}`), plus `/version`. As in a real server, the versions of a kind share one
+//!   storage and each serves the objects with its own `apiVersion`; a version can be switched
+//!   off ([`ApiServer::set_served`]), and its requests then get 404 NotFound, as from a server
+//!   that does not serve it (ServiceCIDRs before 1.33 are `v1beta1` only).
 //! - LIST honours `labelSelector` (`k`, `!k`, `k=v`, `k==v`, `k!=v`, `k in (a,b)`,
 //!   `k notin (a,b)`), `fieldSelector` (`path=v`, `path!=v` on any dotted path such as
 //!   `metadata.name`), `limit` + `continue` (pages come from a snapshot taken by the first page,
@@ -39,6 +43,7 @@
 //!   watcher; connection errors are not retried there, so they surface at once and the
 //!   watcher's own backoff paces the retries.
 //! - [`ApiServer::set_delay`]: every response is held back by the given time.
+//! - [`ApiServer::require_token`]: requests without the bearer token get 401.
 //!
 //! Here: the handle and the stored state. Beside it: `http` (routing, GET, LIST, event writes),
 //! `watches` (WATCH streams), `select` (selectors, query strings, JSON helpers) and `conn` (the
@@ -131,6 +136,14 @@ const RESOURCES: &[Resource] = &[
         event: false,
     },
     Resource {
+        kind: "ServiceCIDR",
+        api_version: "networking.k8s.io/v1beta1",
+        prefix: "/apis/networking.k8s.io/v1beta1",
+        plural: "servicecidrs",
+        namespaced: false,
+        event: false,
+    },
+    Resource {
         kind: "Event",
         api_version: "v1",
         prefix: "/api/v1",
@@ -148,7 +161,8 @@ const RESOURCES: &[Resource] = &[
     },
 ];
 
-/// The listable resource for `kind`; panics on kinds the server does not serve.
+/// The listable resource for `kind` (its first version, in which objects are applied); panics
+/// on kinds the server does not serve.
 fn resource_of(kind: &str) -> &'static Resource {
     RESOURCES
         .iter()
@@ -373,6 +387,24 @@ preferences: {{}}
         }
     }
 
+    /// Stops (`false`) or resumes (`true`) serving `api_version` (e.g. `networking.k8s.io/v1`):
+    /// while it is off, every request to it gets 404 NotFound, as from a server that does not
+    /// serve that version, and its open watches end. Its objects stay stored and are still
+    /// served by the kind's other versions. Panics on a version no resource has.
+    pub fn set_served(&self, api_version: &str, served: bool) {
+        let res = RESOURCES
+            .iter()
+            .find(|r| r.api_version == api_version && !r.event)
+            .unwrap_or_else(|| panic!("test API server: no resource has apiVersion {api_version:?}"));
+        let mut st = self.shared.lock();
+        st.unserved.retain(|v| *v != res.api_version);
+        if !served {
+            st.unserved.push(res.api_version);
+        }
+        drop(st);
+        self.shared.notify();
+    }
+
     /// Holds back every response (including a watch's headers) by `delay`; zero turns it off.
     pub fn set_delay(&self, delay: Duration) {
         self.shared.lock().delay = delay;
@@ -381,6 +413,12 @@ preferences: {{}}
     /// How often watches that allow bookmarks get one (default 1 s); applies to new watches.
     pub fn set_bookmark_interval(&self, every: Duration) {
         self.shared.lock().bookmark_interval = every;
+    }
+
+    /// From now on, answers a request without `Authorization: Bearer TOKEN` with 401
+    /// Unauthorized (as a real server does); `None` accepts every request again.
+    pub fn require_token(&self, token: Option<&str>) {
+        self.shared.lock().token = token.map(str::to_string);
     }
 
     /// Every request received so far, as `METHOD /path?query` with the query percent-decoded,
@@ -438,8 +476,10 @@ impl Shared {
                 requests: Vec::new(),
                 delay: Duration::ZERO,
                 bookmark_interval: Duration::from_secs(1),
+                token: None,
                 snapshots: BTreeMap::new(),
                 snapshot_seq: 0,
+                unserved: Vec::new(),
             }),
             changed: watch::Sender::new(0),
             kill: watch::Sender::new(0),
@@ -474,9 +514,13 @@ struct State {
     requests: Vec<String>,
     delay: Duration,
     bookmark_interval: Duration,
+    /// When set, a request without `Authorization: Bearer <this>` gets 401.
+    token: Option<String>,
     /// Paged-list snapshots by id: (resource version, all matching items).
     snapshots: BTreeMap<u64, (u64, Arc<Vec<Value>>)>,
     snapshot_seq: u64,
+    /// API versions answered with 404 (see [`ApiServer::set_served`]).
+    unserved: Vec<&'static str>,
 }
 
 struct LogEntry {

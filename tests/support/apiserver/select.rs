@@ -209,3 +209,11 @@ pub(super) fn meta_mut(obj: &mut Value) -> &mut serde_json::Map<String, Value> {
     }
     meta.as_object_mut().expect("metadata is an object")
 }
+
+/// `obj` as the version `api_version` of its kind serves it (the versions of a kind share one
+/// storage).
+pub(super) fn served_as(obj: &Value, api_version: &str) -> Value {
+    let mut obj = obj.clone();
+    obj["apiVersion"] = json!(api_version);
+    obj
+}

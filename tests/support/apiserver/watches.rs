@@ -60,7 +60,8 @@ pub(super) fn start_watch(sh: &Arc<Shared>, res: &'static Resource, ns: Option<S
                 .iter()
                 .filter(|((k, _, _), o)| *k == res.kind && w.filter.matches(o))
             {
-                w.pending.push_back(event_line("ADDED", obj));
+                w.pending
+                    .push_back(event_line("ADDED", &served_as(obj, res.api_version)));
             }
             if initial_events == Some("true") {
                 let mut bookmark = w.bookmark(st.rv);
@@ -123,6 +124,11 @@ impl WatchStream {
                         self,
                     ));
                 }
+                if st.unserved.contains(&self.api_version) {
+                    // No longer served: the stream ends; the client's next request gets 404.
+                    self.done = true;
+                    continue;
+                }
                 if st.expire_gen != self.expire_gen {
                     self.pending.push_back(event_line(
                         "ERROR",
@@ -180,7 +186,7 @@ impl WatchStream {
             ("MODIFIED", true, false) | ("DELETED", _, true) => "DELETED",
             _ => return None,
         };
-        Some(event_line(ty, &e.object))
+        Some(event_line(ty, &served_as(&e.object, self.api_version)))
     }
 
     pub(super) fn bookmark(&self, rv: u64) -> Value {
