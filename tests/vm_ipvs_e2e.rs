@@ -37,7 +37,8 @@
 //! - `--cleanup` removes the virtual servers, `kube-ipvs0` and the ipsets;
 //! - all along, someone else's virtual server on the node's address stays as it was;
 //! - `trace --proxy-mode=ipvs` over the daemon's manifests agrees with where the traffic of
-//!   the NodePort, zero-endpoint and source-range checks went (verdict, endpoints, masquerade);
+//!   the NodePort, zero-endpoint and source-range checks went (verdict, endpoints, masquerade),
+//!   and so does `trace --live` through the virtual servers, ipsets and rules in the kernel;
 //! - `kube-proxy explain`: a healthy Service (exit 0, the real servers with their counts), a
 //!   missing scheduler module (said without loading it), a virtual server without real servers,
 //!   real servers draining at weight 0, and the node's conntrack table full (the guest's
@@ -199,9 +200,31 @@ mod in_vm {
         }
 
         /// What `kube-proxy trace --proxy-mode=ipvs` says of a new connection over the
-        /// daemon's manifests (pure: run outside the test bed).
+        /// daemon's manifests (pure: run outside the test bed), checked against `trace --live`
+        /// in the node namespace (the virtual servers, ipsets and iptables rules read back).
         fn trace(&self, from: IpAddr, to: SocketAddr) -> Traced {
-            trace_manifests(&self.dir.0, from, to)
+            let rendered = trace_manifests(&self.dir.0, from, to);
+            let out = self
+                .bed
+                .node
+                .exec(
+                    BIN,
+                    [
+                        "trace".to_string(),
+                        "--live".into(),
+                        "--proxy-mode=ipvs".into(),
+                        "--hostname-override=node-a".into(),
+                        "--cluster-cidr=10.244.0.0/16".into(),
+                        format!("--from={from}"),
+                        format!("--to={to}"),
+                        "--output=json".into(),
+                    ],
+                )
+                .expect("kube-proxy trace --live runs");
+            let live = traced(&out);
+            assert_eq!(live, rendered, "{from} -> {to}: trace --live (left) and trace (right)");
+            println!("trace --live agrees with trace for {from} -> {to}");
+            rendered
         }
     }
 
@@ -236,15 +259,17 @@ mod in_vm {
             .arg("--output=json")
             .output()
             .expect("kube-proxy trace runs");
+        traced(&out)
+    }
+
+    /// A trace's JSON output, read.
+    fn traced(out: &std::process::Output) -> Traced {
         assert!(out.status.success(), "trace: {}", String::from_utf8_lossy(&out.stderr));
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("trace prints JSON");
+        let (verdict, endpoints, masquerade) = crate::common::cluster::trace_outcome(&out.stdout);
         Traced {
-            verdict: v["verdict"].as_str().unwrap_or_default().to_string(),
-            endpoints: v["endpoints"]
-                .as_array()
-                .map(|a| a.iter().filter_map(|e| e.as_str()).map(str::to_string).collect())
-                .unwrap_or_default(),
-            masquerade: v["masquerade"] == true,
+            verdict,
+            endpoints,
+            masquerade,
         }
     }
 

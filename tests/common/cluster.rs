@@ -183,23 +183,12 @@ impl Cluster {
             ]);
             args.extend(self.config_flags());
             let out = self.bed.node.exec(BIN, &args).expect("trace runs");
-            let stdout = String::from_utf8_lossy(&out.stdout);
             assert!(
                 out.status.success(),
                 "trace {source:?}: {}",
                 String::from_utf8_lossy(&out.stderr)
             );
-            let v: serde_json::Value = serde_json::from_str(&stdout).expect("trace prints JSON");
-            let mut endpoints: Vec<String> = v["endpoints"]
-                .as_array()
-                .map(|a| a.iter().filter_map(|e| e.as_str()).map(str::to_string).collect())
-                .unwrap_or_default();
-            endpoints.sort();
-            (
-                v["verdict"].as_str().unwrap_or_default().to_string(),
-                endpoints,
-                v["masquerade"] == true,
-            )
+            trace_outcome(&out.stdout)
         };
         let live = trace(&["--live".to_string()]);
         let rendered = trace(&[self.dir.0.display().to_string()]);
@@ -231,4 +220,20 @@ impl Cluster {
     pub fn daemon_log(&self) -> String {
         self.daemon.as_ref().map(ChildGuard::log).unwrap_or_default()
     }
+}
+
+/// Where `kube-proxy trace --output=json` says a new connection goes: its verdict, its
+/// endpoints (sorted) and whether it is masqueraded.
+pub fn trace_outcome(json: &[u8]) -> (String, Vec<String>, bool) {
+    let v: serde_json::Value = serde_json::from_slice(json).expect("trace prints JSON");
+    let mut endpoints: Vec<String> = v["endpoints"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|e| e.as_str()).map(str::to_string).collect())
+        .unwrap_or_default();
+    endpoints.sort();
+    (
+        v["verdict"].as_str().unwrap_or_default().to_string(),
+        endpoints,
+        v["masquerade"] == true,
+    )
 }
