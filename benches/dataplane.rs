@@ -2,7 +2,7 @@
 //! everything happens in network namespaces the benchmark creates (guards delete them on drop,
 //! also on a panic); the root namespace's rules, routes and sysctls are never touched.
 //!
-//! Run with `cargo bench --bench dataplane` (as root). Two parts:
+//! Run with `cargo bench --bench dataplane` (as root). Three parts:
 //!
 //! **1. First-packet latency** (after FLOOR.md, "First-packet latency"). For each mode in
 //! `MODES` and each N in `SERVICES`, a fresh test bed (`kube_proxy::lab::testbed`: a client pod
@@ -47,13 +47,25 @@
 //! parsing the changed file, converting, building the state, the sync), printed as p50/max,
 //! with VmRSS after the changes.
 //!
+//! **3. `kube-proxy explain` at scale** (`PARTS=explain`). The daemon starts as in part 2 on
+//! the same synthetic cluster (`RSS_SERVICES` × `RSS_ENDPOINTS`) and syncs; then, in its
+//! namespace, the binary's `explain` is timed from spawn to exit, `EXPLAIN_REPS` runs each:
+//! for the last Service (`explain NS/NAME`, the desired state from the daemon's
+//! `/debug/services`), `explain --all`, and both again with `--manifests DIR` (explain reads the
+//! 10^5 endpoints itself, as with the daemon down). Each run gathers everything (the kernel's
+//! rules read back, conntrack with its ≥ 200 ms statistics window, routes, the daemon's health).
+//! The synthetic endpoints have no routes in the namespace, so explain finds problems (exit 1)
+//! and says so; exit 2 fails the benchmark. The targets of the issue: one Service ≤ 1 s,
+//! `--all` ≤ 5 s (checked on the slowest run).
+//!
 //! Environment (all optional):
 //! - `SERVICES` (default `1000,10000,30000`), `ENDPOINTS` (default 1, at most 250),
 //!   `MODES` (default `iptables,nftables`), `CONNECTS` (default 2000), `WARMUP` (default 100),
 //!   `REPS` (default 5: runs per server and case; the table shows the median of the runs'
 //!   p50s and p99s, as FLOOR.md does, and the sum of their errors);
 //! - `RSS_SERVICES` (default 10000), `RSS_ENDPOINTS` (default 10), `LIVE_CHANGES` (default 10);
-//! - `PARTS` (default `latency,rss`): which parts to run.
+//! - `EXPLAIN_REPS` (default 5), `EXPLAIN_SHOW` (set: print each report);
+//! - `PARTS` (default `latency,rss`; `explain` too): which parts to run.
 //!
 //! Deterministic inputs (the synthetic cluster); the timings are what they are on the machine.
 
@@ -804,16 +816,31 @@ fn wait_first_sync(daemon: &mut ChildGuard, families: &BTreeSet<&str>, services:
     }
 }
 
-fn rss_case(mode: Mode, dir: &Path, services: usize, files: usize, changes: usize) -> RssRow {
-    println!("[daemon RSS, {} mode]", mode.as_str());
-    let ns = Netns::create(&format!("kpdp-{}-rss-{}", std::process::id(), mode.as_str())).expect("a namespace");
-    let args = [
+/// The daemon's flags but for `--manifests` (explain takes the same).
+fn mode_flags(mode: Mode) -> Vec<String> {
+    vec![
         "--hostname-override=node-a".to_string(),
         format!("--cluster-cidr={POD_CIDR}"),
         format!("--proxy-mode={}", mode.as_str()),
-        "--manifests".to_string(),
-        dir.display().to_string(),
-    ];
+    ]
+}
+
+/// A synced daemon: its namespace, itself, its IPv4 `Synced rules` line and the time from its
+/// start to the first sync of every family it programs.
+struct Synced {
+    // Dropped first: the daemon stops before its namespace goes.
+    daemon: ChildGuard,
+    ns: Netns,
+    line: String,
+    to_synced: Duration,
+}
+
+/// Starts the real daemon on the manifests in `dir` in a fresh namespace (`tag` in its name)
+/// and waits for its first sync.
+fn synced_daemon(mode: Mode, dir: &Path, services: usize, tag: &str) -> Synced {
+    let ns = Netns::create(&format!("kpdp-{}-{tag}-{}", std::process::id(), mode.as_str())).expect("a namespace");
+    let mut args = mode_flags(mode);
+    args.extend(["--manifests".to_string(), dir.display().to_string()]);
     let proxy_mode = kube_proxy::config::ProxyMode::parse(mode.as_str()).expect("a proxy mode");
     // nft: what the daemon chooses in a node namespace without rules.
     let families: BTreeSet<&str> = kube_proxy::daemon::modes::families(proxy_mode, Backend::Nft)
@@ -826,9 +853,25 @@ fn rss_case(mode: Mode, dir: &Path, services: usize, files: usize, changes: usiz
     progress(format!("starting {BIN} {}", args.join(" ")));
     let t = Instant::now();
     let mut daemon = ns.spawn_guarded(BIN, &args).expect("the daemon starts");
-    let pid = daemon.pid();
     let line = wait_first_sync(&mut daemon, &families, services);
-    let to_synced = t.elapsed();
+    Synced {
+        daemon,
+        ns,
+        line,
+        to_synced: t.elapsed(),
+    }
+}
+
+fn rss_case(mode: Mode, dir: &Path, services: usize, files: usize, changes: usize) -> RssRow {
+    println!("[daemon RSS, {} mode]", mode.as_str());
+    let Synced {
+        daemon,
+        ns,
+        line,
+        to_synced,
+    } = synced_daemon(mode, dir, services, "rss");
+    let pid = daemon.pid();
+    let families = "every family";
     let sync_ms = field(&line, "elapsedMs")
         .and_then(|v| v.parse::<f64>().ok())
         .map_or_else(|| "?".to_string(), |v| format!("{v:.0}"));
@@ -836,7 +879,7 @@ fn rss_case(mode: Mode, dir: &Path, services: usize, files: usize, changes: usiz
     assert_eq!(comm.trim(), "kube-proxy", "pid {pid} is the daemon itself");
     let (rss_kib, hwm_kib) = rss_kib(pid);
     progress(format!(
-        "first sync of {families:?} after {}; VmRSS {} MiB, VmHWM {} MiB",
+        "first sync of {families} after {}; VmRSS {} MiB, VmHWM {} MiB",
         secs(to_synced),
         mib(rss_kib),
         mib(hwm_kib)
@@ -908,11 +951,143 @@ fn print_rss(rows: &[RssRow], services: usize, endpoints: usize, files: usize) {
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Part 3: `kube-proxy explain` at scale.
+
+/// One way of asking explain, timed.
+struct ExplainRow {
+    mode: Mode,
+    what: &'static str,
+    /// Sorted.
+    times: Vec<Duration>,
+    /// The exit status (0 or 1: a problem found; 2 would be a usage error) and the report's
+    /// lines, of the last run.
+    code: i32,
+    lines: usize,
+}
+
+/// `kube-proxy explain ARGS` in `ns`, `reps` times, each timed from spawn to exit.
+fn time_explain(ns: &Netns, mode: Mode, what: &'static str, args: &[String], reps: usize) -> ExplainRow {
+    let mut all = vec!["explain".to_string()];
+    all.extend(args.iter().cloned());
+    all.extend(mode_flags(mode));
+    let mut times = Vec::new();
+    let (mut code, mut lines) = (-1, 0);
+    for _ in 0..reps {
+        let t = Instant::now();
+        let out = ns.exec(BIN, &all).expect("explain runs");
+        times.push(t.elapsed());
+        code = out.status.code().unwrap_or(-1);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            code == 0 || code == 1,
+            "explain {all:?}: exit {code}\n{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        lines = stdout.lines().count();
+        if std::env::var_os("EXPLAIN_SHOW").is_some() {
+            println!("{stdout}");
+        }
+    }
+    times.sort();
+    progress(format!(
+        "explain {what}: median {} (exit {code}, {lines} lines)",
+        ms(times[times.len() / 2])
+    ));
+    ExplainRow {
+        mode,
+        what,
+        times,
+        code,
+        lines,
+    }
+}
+
+/// The daemon synced on `dir`, then explain for the last Service (the one `KUBE-SERVICES`
+/// matches last) and `--all`, from the daemon's `/debug/services` and from `--manifests`.
+fn explain_case(mode: Mode, dir: &Path, state: &ProxyState, reps: usize) -> Vec<ExplainRow> {
+    println!("[explain, {} mode]", mode.as_str());
+    let services = state.service_ports.len();
+    let synced = synced_daemon(mode, dir, services, "explain");
+    progress(format!("first sync after {}", secs(synced.to_synced)));
+    let last = &state.service_ports.last().expect("a Service").port.name;
+    let one = format!("{}/{}", last.namespace, last.name);
+    let manifests = ["--manifests".to_string(), dir.display().to_string()];
+    let all = ["--all".to_string()];
+    let with = |a: &[String], b: &[String]| -> Vec<String> { a.iter().chain(b).cloned().collect() };
+    let rows = vec![
+        time_explain(&synced.ns, mode, "one Service", std::slice::from_ref(&one), reps),
+        time_explain(&synced.ns, mode, "--all", &all, reps),
+        time_explain(
+            &synced.ns,
+            mode,
+            "one Service --manifests",
+            &with(std::slice::from_ref(&one), &manifests),
+            reps,
+        ),
+        time_explain(&synced.ns, mode, "--all --manifests", &with(&all, &manifests), reps),
+    ];
+    assert!(
+        rows[1].lines >= services,
+        "--all gives a line per service port: {} lines",
+        rows[1].lines
+    );
+    drop(synced);
+    rows
+}
+
+fn print_explain(rows: &[ExplainRow], services: usize, endpoints: usize, reps: usize) {
+    println!();
+    println!(
+        "kube-proxy explain on a node holding {} Services x {endpoints} endpoints (the daemon running), {reps} runs each",
+        thousands(services)
+    );
+    println!(
+        "{:<10} {:<26} {:>10} {:>10} {:>6} {:>8}  target",
+        "mode", "asked", "median", "max", "exit", "lines"
+    );
+    for r in rows {
+        let (median, max) = (r.times[r.times.len() / 2], r.times[r.times.len() - 1]);
+        let target = match r.what {
+            "one Service" => Some(Duration::from_secs(1)),
+            "--all" => Some(Duration::from_secs(5)),
+            _ => None,
+        };
+        let verdict = target.map_or(String::new(), |t| {
+            let ok = if max <= t { "ok" } else { "ABOVE" };
+            format!("<= {} s (max): {ok}", t.as_secs())
+        });
+        println!(
+            "{:<10} {:<26} {:>10} {:>10} {:>6} {:>8}  {verdict}",
+            r.mode.as_str(),
+            r.what,
+            ms(median),
+            ms(max),
+            r.code,
+            r.lines
+        );
+    }
+}
+
 /// `/proc/loadavg`'s three averages: the timings share the machine with whatever else runs.
 fn loadavg() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
         .unwrap_or_default()
+}
+
+/// The synthetic cluster of `services` × `endpoints` (unique NodePorts) written as manifests
+/// into a fresh directory (`tag` in its name): the state, the directory and its file count.
+fn synthetic_manifests(tag: &str, services: usize, endpoints: usize) -> (ProxyState, TempDir, usize) {
+    println!(
+        "[{tag}] writing {} Services x {endpoints} endpoints as manifests",
+        thousands(services)
+    );
+    let mut state = synthetic::state(services, endpoints);
+    unique_node_ports(&mut state);
+    let dir = TempDir::new(tag);
+    let files = write_manifests(dir.path(), &state);
+    (state, dir, files)
 }
 
 fn main() {
@@ -959,16 +1134,20 @@ fn main() {
         print_latency(&rows, endpoints, &c);
     }
 
+    let explain_reps = env_usize("EXPLAIN_REPS", 5).max(1);
+    if parts.iter().any(|p| p == "explain") {
+        println!();
+        let (state, dir, _) = synthetic_manifests("explain", rss_services, rss_endpoints);
+        let rows: Vec<ExplainRow> = modes
+            .iter()
+            .flat_map(|&m| explain_case(m, dir.path(), &state, explain_reps))
+            .collect();
+        print_explain(&rows, rss_services, rss_endpoints, explain_reps);
+    }
+
     if parts.iter().any(|p| p == "rss") {
         println!();
-        println!(
-            "[daemon RSS] writing {} Services x {rss_endpoints} endpoints as manifests",
-            thousands(rss_services)
-        );
-        let mut state = synthetic::state(rss_services, rss_endpoints);
-        unique_node_ports(&mut state);
-        let dir = TempDir::new("rss");
-        let files = write_manifests(dir.path(), &state);
+        let (_, dir, files) = synthetic_manifests("rss", rss_services, rss_endpoints);
         progress(format!(
             "{files} files in {} (read back: same model)",
             dir.path().display()

@@ -28,6 +28,11 @@ fn lab_reports_every_step_and_cleans_up() {
         "DNAT to 10.244.4.2:8080) live after",
         "has no endpoints",
         "refused after",
+        // explain at the scale step (healthy) and at zero endpoints (the REJECT named).
+        "$ kube-proxy explain default/web   (exit status 0)",
+        "| Diagnosis: nothing wrong found.",
+        "$ kube-proxy explain default/web   (exit status 1)",
+        "no endpoints: clients get REJECT",
         "5. The NodePort from the outside host",
         "6. A few conntrack entries",
         "Done:",
@@ -51,7 +56,7 @@ fn lab_runs_in_nftables_mode() {
     );
     for needle in [
         "nftables mode", "numgen random mod 3 vmap", "dnat to 10.244.4.2:8080", "goto reject-chain", "refused after",
-        "Done:",
+        "| Diagnosis: nothing wrong found.", "(exit status 1)", "Done:",
     ] {
         assert!(stdout.contains(needle), "report lacks {needle:?}:\n{stdout}");
     }

@@ -920,6 +920,7 @@ mod in_vm {
     fn explain_healthy(node: &Node) {
         let x = explain(node, &["web"]);
         assert_eq!((x.code, x.problems()), (0, vec![]), "{}", x.text);
+        assert!(x.text.contains("Diagnosis: nothing wrong found."), "{}", x.text);
         for e in node.bed.endpoints() {
             let line = format!("-> {} Masq weight 1 active", e.server_addr());
             assert!(x.text.contains(&line), "{line}:\n{}", x.text);

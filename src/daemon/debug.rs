@@ -137,8 +137,8 @@ impl DebugView {
         let families = records
             .into_iter()
             .map(|(family, r)| match &r.wanted {
-                Some(state) => {
-                    let mut state = state.clone();
+                Some(wanted) => {
+                    let mut state = wanted.clone();
                     if let Some(only) = only {
                         state.service_ports.retain(|p| {
                             p.port.name.namespace == only.namespace
@@ -151,7 +151,9 @@ impl DebugView {
                     }
                     let mut view = family_view(&state, &topology, r.last.clone());
                     if only.is_some() {
-                        let desired = DesiredRules::counted(cfg, cfg.mode, &state, nfacct);
+                        // Rendered on the whole state: some rules depend on its size
+                        // (iptables mode drops comments beyond 1,000 endpoints).
+                        let desired = DesiredRules::counted(cfg, cfg.mode, wanted, nfacct);
                         for (v, sps) in view.service_ports.iter_mut().zip(&state.service_ports) {
                             v.rules = desired.of(sps).sections;
                         }

@@ -203,6 +203,7 @@ fn run<W: Write>(binary: &Path, mode: ProxyMode, dir: &Path, connections: u32, o
 
     let mut lab = Lab {
         bed,
+        binary,
         mode,
         dir,
         out,
@@ -291,6 +292,8 @@ fn start_daemon(bed: &Testbed, binary: &Path, mode: ProxyMode, dir: &Path, out: 
 /// The lab while the daemon runs: the test bed, where the manifests are, and the report.
 struct Lab<'a, W: Write> {
     bed: Testbed,
+    /// This binary: the daemon, and `explain`.
+    binary: &'a Path,
     mode: ProxyMode,
     /// The daemon's `--manifests` directory.
     dir: &'a Path,
@@ -317,6 +320,29 @@ impl<W: Write> Lab<'_, W> {
         } else {
             show_service(self.out, &self.bed, self.nft, &self.chains.cluster)
         }
+    }
+
+    /// What `kube-proxy explain` says of the Service now, run in the node namespace with the
+    /// daemon's flags (its desired state from the daemon's `/debug/services`), indented.
+    fn explain(&mut self) -> Result<()> {
+        let args = [
+            "explain".to_string(),
+            "default/web".into(),
+            "--hostname-override=node-a".into(),
+            "--cluster-cidr=10.244.0.0/16".into(),
+            format!("--proxy-mode={}", self.mode.as_str()),
+        ];
+        let out = self.bed.node.exec(self.binary, &args)?;
+        let code = out.status.code().map_or("a signal".to_string(), |c| c.to_string());
+        writeln!(self.out, "   $ kube-proxy explain default/web   (exit status {code})")?;
+        for l in String::from_utf8_lossy(&out.stdout).lines() {
+            writeln!(self.out, "   | {l}")?;
+        }
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if !stderr.trim().is_empty() {
+            writeln!(self.out, "   (stderr: {})", stderr.trim())?;
+        }
+        Ok(())
     }
 
     /// Step 1: the Service as the daemon programmed it.
@@ -394,7 +420,7 @@ impl<W: Write> Lab<'_, W> {
                 "   rr splits them exactly; the real servers already there are not touched (iptables mode rewrites the Service's chain with new probabilities)"
             )?;
         }
-        Ok(())
+        self.explain()
     }
 
     /// Step 4: no endpoints, and what a client then gets.
@@ -438,7 +464,7 @@ impl<W: Write> Lab<'_, W> {
                 "   no REJECT rule here: with no real server to schedule, IPVS itself answers ICMP port unreachable (iptables mode rejects in the filter table)"
             )?;
         }
-        Ok(())
+        self.explain()
     }
 
     /// Step 5: the endpoints back, and the NodePort from the outside host.
