@@ -111,8 +111,8 @@ pub fn trace_live(cfg: &ProxyConfig, packet: &Packet) -> Result<Trace, TraceFail
             .filter(|a| family.contains(a))
             .collect(),
     };
-    // The backend the daemon chooses on this node (the same rules decide).
-    let backend = iptables::backend::detect(&mut iptables::backend::Host).backend;
+    // The iptables backend in use on this node (the daemon's).
+    let backend = iptables::backend::in_use(&mut iptables::backend::Host);
     let mut ipt = crate::iptables::exec::Exec::new(backend, family);
     Ok(match cfg.mode {
         ProxyMode::Iptables => {

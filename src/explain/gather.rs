@@ -57,8 +57,8 @@ pub fn gather(cfg: &ProxyConfig, req: &Request) -> Result<Facts, GatherError> {
     let mut ct = Netlink::new().ok();
     let before = ct.as_mut().and_then(|c| c.statistics().ok());
     let (daemon_facts, daemon_view) = ask_daemon(cfg, req);
-    // The iptables backend the daemon chooses on this node (the same rules decide).
-    let backend = crate::iptables::backend::detect(&mut crate::iptables::backend::Host).backend;
+    // The iptables backend in use on this node (the daemon's).
+    let backend = crate::iptables::backend::in_use(&mut crate::iptables::backend::Host);
     let (desired_from, desired) = desired(cfg, req, daemon_view.as_ref(), backend)?;
     let mode = ProxyMode::parse(&desired.mode).unwrap_or(cfg.mode);
     let mut mcfg = cfg.clone();

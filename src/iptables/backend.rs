@@ -23,6 +23,7 @@ use std::fmt;
 
 use tracing::{info, warn};
 
+use super::names::KUBE_PROXY_CANARY;
 use crate::model::IpFamily;
 
 /// The chains kubelet (1.17 and later) creates in the mangle table of the backend it uses.
@@ -191,6 +192,23 @@ pub fn detect(tools: &mut dyn Tools) -> Detection {
     }
 }
 
+/// The backend a running iptables or IPVS mode daemon programs, for `kube-proxy explain`,
+/// which reads what is there: the nft backend when its mangle table (small, and cheap to ask)
+/// holds kube-proxy's canary chain, else what [`detect`] chooses, as the daemon did. (Its full
+/// dumps are what is slow on a node with 10^5 rules; legacy is never asked for one table.)
+pub fn in_use(tools: &mut dyn Tools) -> Backend {
+    let save = Backend::Nft.tool(IpFamily::V4, "-save");
+    if tools.installed(&save) {
+        let mangle = tools.output(&save, &["-t", "mangle"]);
+        let declares =
+            |line: &str| line.strip_prefix(':').and_then(|r| r.split_whitespace().next()) == Some(KUBE_PROXY_CANARY);
+        if mangle.lines().any(declares) {
+            return Backend::Nft;
+        }
+    }
+    detect(tools).backend
+}
+
 /// The node's own tools, in the process's network namespace.
 pub struct Host;
 
@@ -281,6 +299,17 @@ mod tests {
 
     fn chose(d: &Detection) -> (Backend, String) {
         (d.backend, d.reason.to_string())
+    }
+
+    #[test]
+    fn in_use_is_the_nft_backend_holding_our_canary_without_a_full_dump() {
+        let ours = "*mangle\n:PREROUTING ACCEPT [0:0]\n:KUBE-PROXY-CANARY - [0:0]\nCOMMIT\n";
+        let mut t = Fixture::both().with("iptables-nft-save -t mangle", ours);
+        assert_eq!(in_use(&mut t), Backend::Nft);
+        assert_eq!(t.calls, ["iptables-nft-save -t mangle"]);
+        // Not there: the daemon's own choice (here the backend with more rules).
+        let mut t = Fixture::both().with("iptables-legacy-save", THREE_RULES);
+        assert_eq!(in_use(&mut t), Backend::Legacy);
     }
 
     #[test]
