@@ -477,6 +477,16 @@ mod tests {
         assert!(started.elapsed() >= ADMIT_WAIT, "{:?}", started.elapsed());
     }
 
+    /// Polls `check` every 10 ms until it holds (at most 2 s).
+    async fn until(check: impl Fn() -> bool, what: &str) {
+        let polled = tokio::time::timeout(Duration::from_secs(2), async {
+            while !check() {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        });
+        polled.await.unwrap_or_else(|_| panic!("{what} within 2 s"));
+    }
+
     async fn start(max: usize) -> (std::net::SocketAddr, Connections, oneshot::Sender<()>) {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
@@ -540,13 +550,7 @@ mod tests {
         for s in &mut idle {
             assert!(closed_by_server(s, Duration::from_secs(2)).await, "idle closed");
         }
-        tokio::time::timeout(Duration::from_secs(2), async {
-            while connections.open() > 0 {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        })
-        .await
-        .expect("every connection is gone");
+        until(|| connections.open() == 0, "every connection gone").await;
     }
 
     #[tokio::test]
@@ -600,8 +604,7 @@ mod tests {
             .expect("write");
         // Never read: the response stalls in the socket buffers.
         let started = Instant::now();
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        assert_eq!(connections.open(), 1, "writing");
+        until(|| connections.open() == 1, "the connection admitted").await;
         tokio::time::timeout(Duration::from_secs(3), async {
             while connections.open() > 0 {
                 tokio::time::sleep(Duration::from_millis(10)).await;
@@ -622,6 +625,7 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         let (stop, stopped) = oneshot::channel::<()>();
+        let connections = Connections::new(Limits::default());
         let mut idle = TcpStream::connect(addr).await.expect("connect");
         let task = tokio::spawn(serve_within(
             listener,
@@ -629,9 +633,9 @@ mod tests {
             async move {
                 let _ = stopped.await;
             },
-            Connections::new(Limits::default()),
+            connections.clone(),
         ));
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        until(|| connections.open() == 1, "the idle connection admitted").await;
         let _ = stop.send(());
         tokio::time::timeout(Duration::from_secs(2), task)
             .await
