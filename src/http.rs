@@ -23,6 +23,10 @@
 //!
 //! Every other path answers Go's `404 page not found`. Not served: `/metrics/slis` and, with
 //! `--profiling`, `/debug/pprof` and `/debug/flags/v`.
+//!
+//! Every server is served by [`serve`] (module `serve`): HTTP/1.1 with bounded connections,
+//! header and write timeouts, so that idle or slow clients cannot exhaust the daemon or delay
+//! `/healthz`.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -45,20 +49,19 @@ use crate::metrics::{self, Metrics};
 /// component-base's configz group for kube-proxy (`kubeproxyconfig.GroupName`).
 pub const CONFIGZ_GROUP: &str = "kubeproxy.config.k8s.io";
 
+pub mod serve;
+
 const TEXT_PLAIN: &str = "text/plain; charset=utf-8";
 const NOSNIFF: (HeaderName, HeaderValue) = (header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
 
 /// Runs `router` on `listener` until `shutdown` completes, then stops accepting and lets
-/// in-flight requests finish.
+/// in-flight requests finish; within the process' connection limits ([`serve::Limits`]).
 pub async fn serve(
     listener: TcpListener,
     router: Router,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> io::Result<()> {
-    // The peer's address is handed to the handlers (the `/debug` endpoints check it).
-    axum::serve(listener, router.into_make_service_with_connect_info::<SocketAddr>())
-        .with_graceful_shutdown(shutdown)
-        .await
+    serve::serve(listener, router, shutdown).await
 }
 
 // === healthz server ===
@@ -451,7 +454,7 @@ impl ServiceHealthServers {
             let shutdown = async move {
                 let _ = stop_rx.await;
             };
-            match axum::serve(listener, router).with_graceful_shutdown(shutdown).await {
+            match serve::serve(listener, router, shutdown).await {
                 Ok(()) => tracing::trace!(%service, address = %local_addr, "Healthcheck closed"),
                 Err(err) => tracing::error!(%err, %service, "Healthcheck closed"),
             }
@@ -501,8 +504,9 @@ impl HcInstance {
 }
 
 /// Binds like Go's `net.Listen`: `SO_REUSEADDR` set, so a port whose old connections linger in
-/// TIME_WAIT can be re-opened at once.
-fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
+/// TIME_WAIT can be re-opened at once, and a backlog of [`listen_backlog`]. Needs a tokio
+/// runtime.
+pub fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
     let socket = if addr.is_ipv4() {
         TcpSocket::new_v4()?
     } else {
@@ -510,7 +514,23 @@ fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
     };
     socket.set_reuseaddr(true)?;
     socket.bind(addr)?;
-    socket.listen(1024)
+    socket.listen(listen_backlog())
+}
+
+/// Go's listen backlog: `net.core.somaxconn` of this network namespace (at most 65,535; 4,096,
+/// the kernel's default, where it cannot be read). A burst of connections beyond a smaller
+/// backlog overflows the accept queue, and a client whose SYN is dropped there retries only
+/// after a second.
+pub fn listen_backlog() -> u32 {
+    let read = std::fs::read_to_string("/proc/sys/net/core/somaxconn");
+    backlog_of(read.ok().as_deref())
+}
+
+fn backlog_of(somaxconn: Option<&str>) -> u32 {
+    match somaxconn.and_then(|s| s.trim().parse::<u32>().ok()) {
+        Some(n) => n.clamp(1, 65535),
+        None => 4096,
+    }
 }
 
 /// Go listens on `0.0.0.0` as a dual-stack `[::]` socket; do the same, falling back to IPv4 on
@@ -578,6 +598,15 @@ mod tests {
 
     const TIMEOUT: Duration = Duration::from_secs(10);
     const HEALTH_TIMEOUT: Duration = Duration::from_secs(60);
+
+    #[test]
+    fn the_backlog_is_somaxconn_as_go_listens() {
+        assert_eq!(backlog_of(Some("4096\n")), 4096);
+        assert_eq!(backlog_of(Some("100000")), 65535);
+        assert_eq!(backlog_of(Some("0")), 1);
+        assert_eq!(backlog_of(None), 4096);
+        assert_eq!(backlog_of(Some("x")), 4096);
+    }
 
     struct Reply {
         status: u16,

@@ -15,10 +15,13 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use common::cluster::{BIN, Cluster, NEEDS, SYNC_PERIOD_S};
+use common::harness::{Requirement, test};
 use common::load::{StopOnDrop, connect_until};
 use common::wait_until;
 use kube_proxy::lab::probe::ProbeArgs;
 use kube_proxy::lab::scenario::{Ep, ServiceSpec, manifests};
+use kube_proxy::lab::testbed::Testbed;
+use kube_proxy::model::IpFamily;
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
@@ -29,22 +32,61 @@ fn local(ip: IpAddr) -> Ep {
     Ep::local(ip)
 }
 
-fn web(eps: &[Ep]) -> String {
-    let mut svc = ServiceSpec::new("web", CLUSTER_IP, eps);
+/// Service address `n` of the family: 10.96.165.<n> or fd00:10:96::165:<n> (the IPv4 one is
+/// [`CLUSTER_IP`] for n = 10).
+fn svc_ip(family: IpFamily, n: u8) -> String {
+    match family {
+        IpFamily::V4 => format!("10.96.165.{n}"),
+        IpFamily::V6 => format!("fd00:10:96::165:{n}"),
+    }
+}
+
+/// The LoadBalancer ingress IP of the family (in a range the outside host routes to the node).
+fn lb_ip(family: IpFamily) -> &'static str {
+    match family {
+        IpFamily::V4 => "203.0.113.10",
+        IpFamily::V6 => "2001:db8:113::10",
+    }
+}
+
+/// The Service `web` (ClusterIP, NodePort 32517) in `family`, with these endpoints.
+fn web_in(family: IpFamily, eps: &[Ep]) -> String {
+    let ip = svc_ip(family, 10);
+    let mut svc = ServiceSpec::new("web", &ip, eps);
     svc.node_port = Some(NODE_PORT);
     manifests(&[svc])
+}
+
+fn web(eps: &[Ep]) -> String {
+    web_in(IpFamily::V4, eps)
+}
+
+/// Every endpoint of the bed, in `family`.
+fn all_in(b: &Testbed, family: IpFamily) -> Vec<Ep> {
+    b.endpoints().iter().map(|e| local(e.ip_in(family))).collect()
 }
 
 fn cip(port: u16) -> SocketAddr {
     SocketAddr::new(CLUSTER_IP.parse().unwrap(), port)
 }
 
-fn cluster_ip_spreads_300_connections_evenly(mode: &'static str) {
+/// `web`'s ClusterIP in `family`, port `port`.
+fn cip_in(family: IpFamily, port: u16) -> SocketAddr {
+    SocketAddr::new(svc_ip(family, 10).parse().unwrap(), port)
+}
+
+/// A bed tag per family, so that IPv4 and IPv6 runs are told apart in namespace names.
+fn tag(name: &str, family: IpFamily) -> String {
+    match family {
+        IpFamily::V4 => name.to_string(),
+        IpFamily::V6 => format!("{name}6"),
+    }
+}
+
+fn cluster_ip_spreads_300_connections_evenly(mode: &'static str, f: IpFamily) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let c = Cluster::start_in(mode, "dist", 3, |b| {
-        web(&b.endpoints().iter().map(|e| local(e.ip)).collect::<Vec<_>>())
-    });
-    let report = c.probe_client(&ProbeArgs::tcp(cip(80)).with_count(300));
+    let c = Cluster::start_in(mode, &tag("dist", f), 3, |b| web_in(f, &all_in(b, f)));
+    let report = c.probe_client(&ProbeArgs::tcp(cip_in(f, 80)).with_count(300));
     assert_eq!(
         report.ok_count(),
         300,
@@ -64,45 +106,44 @@ fn cluster_ip_spreads_300_connections_evenly(mode: &'static str) {
     // A pod's connection keeps its source address (no masquerade for in-cluster clients).
     assert_eq!(
         report.seen_sources().into_iter().collect::<Vec<_>>(),
-        vec![c.bed.client_ip()]
+        vec![c.bed.client_ip_in(f)]
     );
-    c.assert_live_trace_agrees(c.bed.client_ip(), cip(80), "TCP");
+    c.assert_live_trace_agrees(c.bed.client_ip_in(f), cip_in(f, 80), "TCP");
 }
 
-fn scaling_to_four_endpoints_goes_live(mode: &'static str) {
+fn scaling_to_four_endpoints_goes_live(mode: &'static str, f: IpFamily) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let mut c = Cluster::start_in(mode, "scale", 3, |b| {
-        web(&b.endpoints().iter().map(|e| local(e.ip)).collect::<Vec<_>>())
-    });
-    let new = c.bed.add_endpoint().expect("fourth endpoint").server_addr();
-    let all: Vec<Ep> = c.bed.endpoints().iter().map(|e| local(e.ip)).collect();
+    let mut c = Cluster::start_in(mode, &tag("scale", f), 3, |b| web_in(f, &all_in(b, f)));
+    let new = c.bed.add_endpoint().expect("fourth endpoint").server_addr_in(f);
     let changed = Instant::now();
-    c.dir.write(&web(&all));
+    c.dir.write(&web_in(f, &all_in(&c.bed, f)));
     wait_until(Duration::from_secs(10), "the new endpoint's DNAT", || {
         c.rules().contains(&new.to_string())
     });
     println!("file change → new endpoint's rules live: {:?}", changed.elapsed());
-    let report = c.probe_client(&ProbeArgs::tcp(cip(80)).with_count(100));
+    let report = c.probe_client(&ProbeArgs::tcp(cip_in(f, 80)).with_count(100));
     assert_eq!(report.ok_count(), 100, "{:?}", report.errors());
     let names = report.names();
     assert!(
         names.contains_key(&c.bed.endpoint(3).name),
         "the new endpoint receives traffic: {names:?}"
     );
-    c.assert_live_trace_agrees(c.bed.client_ip(), cip(80), "TCP");
+    c.assert_live_trace_agrees(c.bed.client_ip_in(f), cip_in(f, 80), "TCP");
 }
 
-fn zero_endpoints_are_refused_at_once_and_one_brings_traffic_back(mode: &'static str) {
+fn zero_endpoints_are_refused_at_once_and_one_brings_traffic_back(mode: &'static str, f: IpFamily) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let c = Cluster::start_in(mode, "zero", 1, |b| web(&[local(b.endpoint(0).ip)]));
-    c.dir.write(&web(&[]));
+    let c = Cluster::start_in(mode, &tag("zero", f), 1, |b| {
+        web_in(f, &[local(b.endpoint(0).ip_in(f))])
+    });
+    c.dir.write(&web_in(f, &[]));
     wait_until(Duration::from_secs(10), "the REJECT", || {
-        c.probe_client(&ProbeArgs::tcp(cip(80)).with_count(1).with_timeout_ms(500))
+        c.probe_client(&ProbeArgs::tcp(cip_in(f, 80)).with_count(1).with_timeout_ms(500))
             .errors()
             .contains_key("refused")
     });
-    c.assert_live_trace_agrees(c.bed.client_ip(), cip(80), "TCP");
-    let report = c.probe_client(&ProbeArgs::tcp(cip(80)).with_count(5).with_timeout_ms(2000));
+    c.assert_live_trace_agrees(c.bed.client_ip_in(f), cip_in(f, 80), "TCP");
+    let report = c.probe_client(&ProbeArgs::tcp(cip_in(f, 80)).with_count(5).with_timeout_ms(2000));
     for a in &report.attempts {
         assert_eq!(
             a.error.as_deref(),
@@ -111,31 +152,32 @@ fn zero_endpoints_are_refused_at_once_and_one_brings_traffic_back(mode: &'static
         );
         assert!(a.elapsed_us < 100_000, "refused within 100 ms: {a:?}");
     }
-    c.dir.write(&web(&[local(c.bed.endpoint(0).ip)]));
+    c.dir.write(&web_in(f, &[local(c.bed.endpoint(0).ip_in(f))]));
     wait_until(Duration::from_secs(10), "traffic again", || {
-        c.probe_client(&ProbeArgs::tcp(cip(80)).with_count(1)).all_ok()
+        c.probe_client(&ProbeArgs::tcp(cip_in(f, 80)).with_count(1)).all_ok()
     });
 }
 
-fn node_port_from_outside_and_external_traffic_policy_local(mode: &'static str) {
+fn node_port_from_outside_and_external_traffic_policy_local(mode: &'static str, f: IpFamily) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let c = Cluster::start_in(mode, "np", 2, |b| {
-        let ep = b.endpoint(0).ip;
-        let remote = b.endpoint(1).ip;
+    let c = Cluster::start_in(mode, &tag("np", f), 2, |b| {
+        let ep = b.endpoint(0).ip_in(f);
+        let remote = b.endpoint(1).ip_in(f);
         let here = [local(ep)];
         let there = [Ep::on(remote, "node-b")];
-        let mut web = ServiceSpec::new("web", CLUSTER_IP, &here);
+        let ips = [svc_ip(f, 10), svc_ip(f, 11), svc_ip(f, 12)];
+        let mut web = ServiceSpec::new("web", &ips[0], &here);
         web.node_port = Some(NODE_PORT);
-        let mut keep = ServiceSpec::new("keep-src", "10.96.165.11", &here);
+        let mut keep = ServiceSpec::new("keep-src", &ips[1], &here);
         keep.node_port = Some(32518);
         keep.spec_extra = "  externalTrafficPolicy: Local\n";
-        let mut elsewhere = ServiceSpec::new("elsewhere", "10.96.165.12", &there);
+        let mut elsewhere = ServiceSpec::new("elsewhere", &ips[2], &there);
         elsewhere.node_port = Some(32519);
         elsewhere.spec_extra = "  externalTrafficPolicy: Local\n";
         manifests(&[web, keep, elsewhere])
     });
-    let node = c.bed.node_ip();
-    let outside = c.bed.outside_ips()[0];
+    let node = c.bed.node_ip_in(f);
+    let outside = c.bed.outside_ips_in(f)[0];
     let probe = |port: u16| {
         c.bed
             .probe(
@@ -146,16 +188,14 @@ fn node_port_from_outside_and_external_traffic_policy_local(mode: &'static str) 
             )
             .expect("probe")
     };
-    // Cluster policy: masqueraded, the endpoint sees one of the node's addresses.
+    // Cluster policy: masqueraded, the endpoint sees the node's address on its link.
     let r = probe(NODE_PORT);
     assert!(r.all_ok(), "{:?}", r.errors());
     let seen = r.seen_sources();
-    assert!(
-        !seen.contains(&outside)
-            && seen
-                .iter()
-                .all(|s| s.to_string().starts_with("10.244.") && s.to_string().ends_with(".1")),
-        "node address seen: {seen:?}"
+    assert_eq!(
+        seen.into_iter().collect::<Vec<_>>(),
+        vec![c.bed.endpoint(0).gateway_in(f)],
+        "node address seen"
     );
     // Local policy with a local endpoint: the client's own address is seen.
     let r = probe(32518);
@@ -178,32 +218,37 @@ fn node_port_from_outside_and_external_traffic_policy_local(mode: &'static str) 
     }
 }
 
-fn session_affinity_keeps_a_client_on_one_endpoint(mode: &'static str) {
+fn session_affinity_keeps_a_client_on_one_endpoint(mode: &'static str, f: IpFamily) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let c = Cluster::start_in(mode, "affinity", 3, |b| {
-        let eps: Vec<Ep> = b.endpoints().iter().map(|e| local(e.ip)).collect();
-        let mut svc = ServiceSpec::new("web", CLUSTER_IP, &eps);
+    let c = Cluster::start_in(mode, &tag("affinity", f), 3, |b| {
+        let eps = all_in(b, f);
+        let ip = svc_ip(f, 10);
+        let mut svc = ServiceSpec::new("web", &ip, &eps);
         svc.spec_extra = "  sessionAffinity: ClientIP\n";
         manifests(&[svc])
     });
-    let report = c.probe_client(&ProbeArgs::tcp(cip(80)).with_count(50));
+    let report = c.probe_client(&ProbeArgs::tcp(cip_in(f, 80)).with_count(50));
     assert_eq!(report.ok_count(), 50, "{:?}", report.errors());
     assert_eq!(report.names().len(), 1, "one endpoint for all 50: {:?}", report.names());
-    c.assert_live_trace_agrees(c.bed.client_ip(), cip(80), "TCP");
+    c.assert_live_trace_agrees(c.bed.client_ip_in(f), cip_in(f, 80), "TCP");
 }
 
-fn load_balancer_source_ranges_allow_one_source_and_drop_another(mode: &'static str) {
+fn load_balancer_source_ranges_allow_one_source_and_drop_another(mode: &'static str, f: IpFamily) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let c = Cluster::start_in(mode, "lbsr", 1, |b| {
-        let eps = [local(b.endpoint(0).ip)];
-        let mut svc = ServiceSpec::new("web", CLUSTER_IP, &eps);
+    let c = Cluster::start_in(mode, &tag("lbsr", f), 1, |b| {
+        let eps = [local(b.endpoint(0).ip_in(f))];
+        let ip = svc_ip(f, 10);
+        let mut svc = ServiceSpec::new("web", &ip, &eps);
         svc.node_port = Some(NODE_PORT);
-        svc.spec_extra = "  loadBalancerSourceRanges: [\"192.168.49.77/32\"]\n";
-        svc.load_balancer_ip = Some("203.0.113.10");
+        let allowed = b.outside_ips_in(f)[0];
+        let bits = if allowed.is_ipv4() { 32 } else { 128 };
+        let extra = format!("  loadBalancerSourceRanges: [\"{allowed}/{bits}\"]\n");
+        svc.spec_extra = &extra;
+        svc.load_balancer_ip = Some(lb_ip(f));
         manifests(&[svc])
     });
-    let lb: SocketAddr = "203.0.113.10:80".parse().unwrap();
-    let [allowed, other] = c.bed.outside_ips();
+    let lb = SocketAddr::new(lb_ip(f).parse().unwrap(), 80);
+    let [allowed, other] = c.bed.outside_ips_in(f);
     let ok = c
         .bed
         .probe(&c.bed.outside, &ProbeArgs::tcp(lb).with_bind(allowed).with_count(3))
@@ -225,15 +270,13 @@ fn load_balancer_source_ranges_allow_one_source_and_drop_another(mode: &'static 
     c.assert_live_trace_agrees(other, lb, "TCP");
 }
 
-fn hairpin_an_endpoint_reaches_its_own_service(mode: &'static str) {
+fn hairpin_an_endpoint_reaches_its_own_service(mode: &'static str, f: IpFamily) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let c = Cluster::start_in(mode, "hairpin", 3, |b| {
-        web(&b.endpoints().iter().map(|e| local(e.ip)).collect::<Vec<_>>())
-    });
+    let c = Cluster::start_in(mode, &tag("hairpin", f), 3, |b| web_in(f, &all_in(b, f)));
     let me = c.bed.endpoint(0);
     let report = c
         .bed
-        .probe(&me.ns, &ProbeArgs::tcp(cip(80)).with_count(30))
+        .probe(&me.ns, &ProbeArgs::tcp(cip_in(f, 80)).with_count(30))
         .expect("probe");
     assert_eq!(report.ok_count(), 30, "{:?}", report.errors());
     let to_self: Vec<_> = report
@@ -247,20 +290,27 @@ fn hairpin_an_endpoint_reaches_its_own_service(mode: &'static str) {
         report.names()
     );
     for a in to_self {
-        assert_ne!(a.seen_src, Some(me.ip), "hairpin traffic is masqueraded: {a:?}");
+        assert_eq!(
+            a.seen_src,
+            Some(me.gateway_in(f)),
+            "hairpin traffic is masqueraded to the node's address: {a:?}"
+        );
     }
-    c.assert_live_trace_agrees(me.ip, cip(80), "TCP");
+    c.assert_live_trace_agrees(me.ip_in(f), cip_in(f, 80), "TCP");
 }
 
-fn udp_client_moves_to_a_live_endpoint_within_a_second(mode: &'static str) {
+fn udp_client_moves_to_a_live_endpoint_within_a_second(mode: &'static str, f: IpFamily) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let ip = svc_ip(f, 10);
     let udp_service = |eps: &[Ep]| {
-        let mut svc = ServiceSpec::new("dns", CLUSTER_IP, eps);
+        let mut svc = ServiceSpec::new("dns", &ip, eps);
         svc.protocol = "UDP";
         manifests(&[svc])
     };
-    let mut c = Cluster::start_in(mode, "udp", 2, |b| udp_service(&[local(b.endpoint(0).ip)]));
-    let args = ProbeArgs::udp(cip(80))
+    let mut c = Cluster::start_in(mode, &tag("udp", f), 2, |b| {
+        udp_service(&[local(b.endpoint(0).ip_in(f))])
+    });
+    let args = ProbeArgs::udp(cip_in(f, 80))
         .with_count(80)
         .with_interval_ms(50)
         .with_timeout_ms(200);
@@ -271,7 +321,7 @@ fn udp_client_moves_to_a_live_endpoint_within_a_second(mode: &'static str) {
         // first one keeps answering whatever still reaches it, so only the deletion of the
         // stale conntrack entry moves the client.
         std::thread::sleep(Duration::from_millis(800));
-        c.dir.write(&udp_service(&[local(c.bed.endpoint(1).ip)]));
+        c.dir.write(&udp_service(&[local(c.bed.endpoint(1).ip_in(f))]));
         handle.join().expect("probe thread").expect("probe")
     });
     c.bed
@@ -309,7 +359,7 @@ fn udp_client_moves_to_a_live_endpoint_within_a_second(mode: &'static str) {
         late.iter().all(|a| a.ok && a.name.as_deref() == Some(second.as_str())),
         "keeps answering from the live endpoint: {late:?}"
     );
-    c.assert_live_trace_agrees(c.bed.client_ip(), cip(80), "UDP");
+    c.assert_live_trace_agrees(c.bed.client_ip_in(f), cip_in(f, 80), "UDP");
 }
 
 fn kill_9_keeps_streams_and_restart_converges_without_duplicates() {
@@ -666,8 +716,70 @@ fn bind_address_hard_fail_exits_when_the_healthz_port_is_taken() {
     assert!(c.probe_client(&ProbeArgs::tcp(cip(80)).with_count(3)).all_ok());
 }
 
+/// A dual-stack Service (ClusterIPs of both families, a NodePort, the same pods in an IPv4
+/// and an IPv6 slice) answers over both families, from a pod and from outside; an endpoint
+/// removed from both slices goes from both families' rules.
+fn dual_stack_service_is_reached_over_both_families(mode: &'static str) {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (v4, v6) = (svc_ip(IpFamily::V4, 20), svc_ip(IpFamily::V6, 20));
+    let dual = |eps: &[Ep]| {
+        let mut svc = ServiceSpec::new("dual", &v4, eps);
+        svc.second_cluster_ip = Some(&v6);
+        svc.node_port = Some(NODE_PORT);
+        manifests(&[svc])
+    };
+    let both = |b: &Testbed, n: usize| -> Vec<Ep> {
+        let eps = &b.endpoints()[..n];
+        let of = |f| eps.iter().map(move |e| local(e.ip_in(f)));
+        of(IpFamily::V4).chain(of(IpFamily::V6)).collect()
+    };
+    let c = Cluster::start_in(mode, "dual", 3, |b| dual(&both(b, 3)));
+    let reach = |f: IpFamily, n: usize| {
+        let to = SocketAddr::new(svc_ip(f, 20).parse().unwrap(), 80);
+        let r = c.probe_client(&ProbeArgs::tcp(to).with_count(60));
+        assert_eq!(r.ok_count(), 60, "{f:?} ClusterIP: {:?}", r.errors());
+        assert_eq!(r.names().len(), n, "{f:?}: every endpoint answers: {:?}", r.names());
+        assert_eq!(
+            r.seen_sources().into_iter().collect::<Vec<_>>(),
+            vec![c.bed.client_ip_in(f)],
+            "{f:?}: the pod's own address"
+        );
+        let outside = c.bed.outside_ips_in(f)[0];
+        let np = SocketAddr::new(c.bed.node_ip_in(f), NODE_PORT);
+        let r = c
+            .bed
+            .probe(&c.bed.outside, &ProbeArgs::tcp(np).with_bind(outside).with_count(30))
+            .expect("probe");
+        assert_eq!(r.ok_count(), 30, "{f:?} NodePort: {:?}", r.errors());
+        r.names()
+    };
+    for f in [IpFamily::V4, IpFamily::V6] {
+        let names = reach(f, 3);
+        println!("dual-stack {f:?}: NodePort {names:?}");
+    }
+    c.dir.write(&dual(&both(&c.bed, 2)));
+    let gone = c.bed.endpoint(2);
+    wait_until(
+        Duration::from_secs(10),
+        "the third endpoint gone from both families",
+        || {
+            let rules = c.rules();
+            [IpFamily::V4, IpFamily::V6]
+                .iter()
+                .all(|&f| !rules.contains(&gone.server_addr_in(f).to_string()))
+        },
+    );
+    for f in [IpFamily::V4, IpFamily::V6] {
+        let names = reach(f, 2);
+        assert!(!names.contains_key(&gone.name), "{f:?}: {names:?}");
+    }
+}
+
+/// A test that holds in every proxy mode and both IP families, given the mode and family.
+type InEveryMode = fn(&'static str, IpFamily);
+
 /// The tests that hold in every proxy mode, run once per mode (as `MODE_mode::TEST`).
-const IN_EVERY_MODE: &[(&str, common::harness::PerModeTest)] = &common::harness::named![
+const IN_EVERY_MODE: &[(&str, InEveryMode)] = &common::harness::named![
     cluster_ip_spreads_300_connections_evenly,
     scaling_to_four_endpoints_goes_live,
     zero_endpoints_are_refused_at_once_and_one_brings_traffic_back,
@@ -677,6 +789,12 @@ const IN_EVERY_MODE: &[(&str, common::harness::PerModeTest)] = &common::harness:
     hairpin_an_endpoint_reaches_its_own_service,
     udp_client_moves_to_a_live_endpoint_within_a_second,
 ];
+
+/// A test that holds in every proxy mode, given the mode.
+type PerMode = fn(&'static str);
+
+/// Tests run once per proxy mode, in no particular family.
+const PER_MODE: &[(&str, PerMode)] = &common::harness::named![dual_stack_service_is_reached_over_both_families];
 
 /// The other tests, in one mode each.
 const ONCE: &[(&str, fn())] = &common::harness::named![
@@ -689,6 +807,34 @@ const ONCE: &[(&str, fn())] = &common::harness::named![
     bind_address_hard_fail_exits_when_the_healthz_port_is_taken,
 ];
 
+/// What the IPv6 and dual-stack tests need on top of [`NEEDS`].
+const NEEDS_IPV6: &[Requirement] = &[
+    Requirement::Kernel(common::harness::KernelFeature::Ipv6),
+    Requirement::Tool("ip6tables"),
+    Requirement::Tool("ip6tables-save"),
+];
+
 fn main() -> ExitCode {
-    common::harness::run_per_mode(IN_EVERY_MODE, ONCE, NEEDS)
+    let mut tests = Vec::new();
+    for mode in ["iptables", "nftables"] {
+        for &(name, f) in IN_EVERY_MODE {
+            tests.push(test(format!("{mode}_mode::{name}"), move || f(mode, IpFamily::V4)).needs(NEEDS));
+            tests.push(
+                test(format!("{mode}_mode::ipv6::{name}"), move || f(mode, IpFamily::V6))
+                    .needs(NEEDS)
+                    .needs(NEEDS_IPV6),
+            );
+        }
+        for &(name, f) in PER_MODE {
+            tests.push(
+                test(format!("{mode}_mode::{name}"), move || f(mode))
+                    .needs(NEEDS)
+                    .needs(NEEDS_IPV6),
+            );
+        }
+    }
+    for &(name, f) in ONCE {
+        tests.push(test(name, f).needs(NEEDS));
+    }
+    common::harness::run(tests)
 }

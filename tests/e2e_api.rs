@@ -1,8 +1,9 @@
 //! End-to-end with the Kubernetes API source: the real daemon watches a test API server
 //! (tests/support/apiserver.rs, listening inside the node namespace of a test bed) through a
 //! generated kubeconfig, and real traffic checks the outcome. Also the healthz, metrics and
-//! health-check node port servers, over real HTTP, and ServiceCIDRs from the API (v1, and
-//! v1beta1 where v1 is not served) in nftables mode's cluster-ips check.
+//! health-check node port servers, over real HTTP, ServiceCIDRs from the API (v1, and
+//! v1beta1 where v1 is not served) in nftables mode's cluster-ips check, and hostile objects
+//! (huge, at the limits, unknown, malformed, undecodable) in iptables and nftables modes.
 
 mod common;
 
@@ -490,13 +491,340 @@ fn service_cidrs_fall_back_to_v1beta1_where_v1_is_not_served() {
     assert_eq!(c.answer("10.96.165.10:80"), "ep1");
 }
 
+// === hostile objects ===
+
+const WEB: &str = "10.96.165.10";
+
+/// JSON of an EndpointSlice `name` of Service `service` (port `p` → 8080), with `endpoints`
+/// as given (JSON, so that they can be malformed).
+fn raw_slice(name: &str, service: &str, address_type: &str, endpoints: Value) -> Value {
+    json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+           "metadata": {"name": name, "namespace": "default", "labels": {"kubernetes.io/service-name": service}},
+           "addressType": address_type, "ports": [{"name": "p", "protocol": "TCP", "port": 8080}], "endpoints": endpoints})
+}
+
+/// A ready endpoint on this node, as slice JSON.
+fn ep_json(ip: impl ToString) -> Value {
+    json!({"addresses": [ip.to_string()], "nodeName": "node-a", "conditions": {"ready": true}})
+}
+
+/// A Service whose port number is a string: it does not decode into the typed struct.
+fn undecodable_service(name: &str) -> Value {
+    json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": "default"},
+           "spec": {"clusterIP": "10.96.165.99", "ports": [{"name": "p", "port": "eighty"}]}})
+}
+
+/// `n` fake endpoints (10.246.x.y: nothing answers there), as slice JSON.
+fn fake_endpoints(n: usize, offset: usize) -> Vec<Value> {
+    (offset..offset + n)
+        .map(|i| ep_json(format!("10.246.{}.{}", i / 250, i % 250 + 1)))
+        .collect()
+}
+
+/// The names at the longest the API allows: a namespace and a Service name of 63
+/// characters (DNS labels), a port name of 15 (an IANA service name), a slice name of 253.
+struct LongNames {
+    namespace: String,
+    service: String,
+    port: String,
+    slice: String,
+}
+
+fn long_names() -> LongNames {
+    LongNames {
+        namespace: format!("ns-{}", "n".repeat(60)),
+        service: format!("svc-{}", "s".repeat(59)),
+        port: format!("port-{}", "p".repeat(10)),
+        slice: format!("slice-{}", "e".repeat(247)),
+    }
+}
+
+/// Every hostile object, sent while the daemon watches. Returns the ClusterIPs of the ones
+/// that must still be served by `ep2` (the third endpoint): (what, address).
+fn send_hostile_objects(api: &ApiServer, bed: &Testbed) -> Vec<(&'static str, String)> {
+    let ep = |i: usize| bed.endpoint(i).ip;
+    // One Service with 1,000 ports, its endpoint in 10 slices of 100 ports (the API's limit).
+    let ports: Vec<Value> = (0..1000)
+        .map(|i| json!({"name": format!("p{i}"), "protocol": "TCP", "port": 1000 + i, "targetPort": 8080}))
+        .collect();
+    api.apply(service("many-ports", "10.96.165.30", json!({"ports": ports})));
+    for k in 0..10 {
+        let mut sl = raw_slice(
+            &format!("many-ports-{k}"),
+            "many-ports",
+            "IPv4",
+            json!([ep_json(ep(2))]),
+        );
+        sl["ports"] = (k * 100..k * 100 + 100)
+            .map(|i| json!({"name": format!("p{i}"), "protocol": "TCP", "port": 8080}))
+            .collect();
+        api.apply(sl);
+    }
+    // One Service with 100 EndpointSlices, and one slice with 1,000 endpoints.
+    api.apply(service("many-slices", "10.96.165.31", json!({})));
+    for k in 0..100 {
+        let eps = json!(fake_endpoints(1, k));
+        api.apply(raw_slice(&format!("many-slices-{k}"), "many-slices", "IPv4", eps));
+    }
+    api.apply(service("big-slice", "10.96.165.32", json!({})));
+    api.apply(raw_slice(
+        "big-slice-1",
+        "big-slice",
+        "IPv4",
+        json!(fake_endpoints(1000, 0)),
+    ));
+    // Names at the maximum length (served), and one past it (skipped).
+    let n = long_names();
+    let mut long = service(&n.service, "10.96.165.33", json!({}));
+    long["metadata"]["namespace"] = json!(n.namespace);
+    long["spec"]["ports"][0]["name"] = json!(n.port);
+    api.apply(long);
+    let mut sl = raw_slice(&n.slice, &n.service, "IPv4", json!([ep_json(ep(2))]));
+    sl["metadata"]["namespace"] = json!(n.namespace);
+    sl["ports"][0]["name"] = json!(n.port);
+    api.apply(sl);
+    let mut empty = service(&format!("{}-", &n.service[..62]), "10.96.165.34", json!({}));
+    empty["metadata"]["namespace"] = json!(n.namespace);
+    empty["spec"]["ports"][0]["name"] = json!(n.port);
+    api.apply(empty);
+    api.apply(service(&"x".repeat(64), "10.96.165.35", json!({})));
+    // Unknown protocols, address types and conditions.
+    api.apply(service(
+        "protocols",
+        "10.96.165.36",
+        json!({"ports": [{"name": "q", "protocol": "QUIC", "port": 443, "targetPort": 8080},
+                         {"name": "p", "protocol": "TCP", "port": 80, "targetPort": 8080}]}),
+    ));
+    let mut odd = ep_json(ep(2));
+    odd["conditions"]["fabulous"] = json!(true);
+    api.apply(raw_slice("protocols-1", "protocols", "IPv4", json!([odd])));
+    api.apply(raw_slice("protocols-2", "protocols", "IPv7", json!([ep_json(ep(0))])));
+    // Duplicate endpoints across slices (and within one).
+    api.apply(service("duplicates", "10.96.165.37", json!({})));
+    for k in 0..3 {
+        api.apply(raw_slice(
+            &format!("duplicates-{k}"),
+            "duplicates",
+            "IPv4",
+            json!([ep_json(ep(2)), ep_json(ep(2))]),
+        ));
+    }
+    // Legacy (leading zeros, read in decimal) and malformed addresses.
+    let IpAddr::V4(ep2) = ep(2) else {
+        panic!("IPv4 endpoint")
+    };
+    let zeros = ep2.octets().map(|o| format!("{o:03}")).join(".");
+    api.apply(service("addresses", "10.96.165.38", json!({})));
+    let eps = json!([
+        ep_json(zeros),
+        ep_json("10.244.1.2.3"),
+        ep_json("not-an-ip"),
+        ep_json("fd00::1"),
+        ep_json("")
+    ]);
+    api.apply(raw_slice("addresses-1", "addresses", "IPv4", eps));
+    // Objects that do not decode, by watch: a Service and a slice; then the Service fixed.
+    api.apply(undecodable_service("broken-watch"));
+    let mut bad = raw_slice("broken-watch-1", "broken-watch", "IPv4", json!([ep_json(ep(2))]));
+    bad["endpoints"][0]["conditions"]["ready"] = json!("yes");
+    api.apply(bad);
+    api.apply(service("broken-watch", "10.96.165.39", json!({})));
+    api.apply(raw_slice(
+        "broken-watch-2",
+        "broken-watch",
+        "IPv4",
+        json!([ep_json(ep(2))]),
+    ));
+    vec![
+        ("a Service with 1,000 ports, its first", "10.96.165.30:1000".into()),
+        ("a Service with 1,000 ports, its last", "10.96.165.30:1999".into()),
+        ("names at the maximum length", "10.96.165.33:80".into()),
+        (
+            "the known protocol of a Service with an unknown one",
+            "10.96.165.36:80".into(),
+        ),
+        ("duplicate endpoints across slices", "10.96.165.37:80".into()),
+        ("a legacy address beside malformed ones", "10.96.165.38:80".into()),
+        (
+            "a Service fixed after an update that did not decode",
+            "10.96.165.39:80".into(),
+        ),
+    ]
+}
+
+/// The messages the hostile objects must produce, each naming the object and the field.
+fn hostile_messages() -> Vec<String> {
+    vec![
+        "Service default/broken-list: field spec.ports[0].port: invalid type: string \"eighty\"".into(),
+        "EndpointSlice default/broken-list-1: field endpoints[0].conditions.ready: invalid type".into(),
+        "Service default/broken-watch: field spec.ports[0].port: invalid type".into(),
+        "EndpointSlice default/broken-watch-1: field endpoints[0].conditions.ready: invalid type".into(),
+        format!("Service \"default\"/\"{}\": field metadata.name/namespace: not a valid Kubernetes name", "x".repeat(64)),
+        "Service default/protocols: field spec.ports[0].protocol: unknown protocol \"QUIC\"; port skipped".into(),
+        "EndpointSlice default/protocols-2: field addressType: unknown address type \"IPv7\"; slice skipped".into(),
+        "EndpointSlice default/duplicates-0: field endpoints[1].addresses[0]: duplicate endpoint".into(),
+        "EndpointSlice default/addresses-1: field endpoints[1].addresses[0]: invalid IP \"10.244.1.2.3\"".into(),
+        "EndpointSlice default/addresses-1: field endpoints[2].addresses[0]: invalid IP \"not-an-ip\"".into(),
+        "EndpointSlice default/addresses-1: field endpoints[3].addresses[0]: fd00::1 is an IPv6 address in an IPv4 slice".into(),
+        "EndpointSlice default/addresses-1: field endpoints[4].addresses[0]: invalid IP \"\"".into(),
+    ]
+}
+
+impl Cluster {
+    /// How many endpoints the kernel has for port `p` (TCP) of the Service default/`name`.
+    fn endpoints_in_kernel(&self, nft: bool, name: &str) -> usize {
+        if nft {
+            let ruleset = self.bed.node.exec_ok("nft", ["list", "ruleset"]).expect("nft");
+            let needle = format!("-default/{name}/tcp/p__");
+            ruleset
+                .lines()
+                .filter(|l| l.trim_start().starts_with("chain endpoint-") && l.contains(&needle))
+                .count()
+        } else {
+            let chain = svc_chain(name);
+            self.nat()
+                .lines()
+                .filter(|l| l.starts_with(&format!("-A {chain} ")) && l.contains("-j KUBE-SEP-"))
+                .count()
+        }
+    }
+
+    /// Who answers a connection from the client pod to `to` (a name, or the error).
+    fn who(&self, to: &str) -> String {
+        let r = self
+            .bed
+            .probe(
+                &self.bed.client,
+                &ProbeArgs::tcp(to.parse().unwrap()).with_timeout_ms(500),
+            )
+            .expect("probe");
+        let a = r.attempts.first().expect("one attempt");
+        a.name.clone().or_else(|| a.error.clone()).unwrap_or_default()
+    }
+
+    /// Moves web's only endpoint to endpoint `i` and waits until traffic follows: the watch
+    /// goes on, and a change of another Service is not held back.
+    fn move_web_to(&self, i: usize, what: &str) {
+        self.api.apply(slice("web", &[(self.bed.endpoint(i).ip, "node-a")]));
+        let want = self.bed.endpoint(i).name.clone();
+        let started = std::time::Instant::now();
+        while self.who(&format!("{WEB}:80")) != want {
+            assert!(
+                started.elapsed() < Duration::from_secs(20),
+                "{what}: web not moved to {want} in 20 s; the daemon's log ends:\n{}",
+                tail(&self.daemon.log())
+            );
+            std::thread::sleep(POLL);
+        }
+        println!("{what}: web moved to {want} in {:?}", started.elapsed());
+    }
+}
+
+/// Hostile objects by watch (and undecodable ones in the first list): each is skipped or
+/// trimmed with a message naming the object and the field, the watches go on, and another
+/// Service keeps being served and changed, before and after a relist (410).
+fn hostile_objects_are_skipped_and_the_rest_keeps_working(mode: &str) {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let nft = mode == "nftables";
+    let flags: &[&str] = if nft { &["--proxy-mode=nftables"] } else { &[] };
+    let c = Cluster::start_with(&format!("hostile-{mode}"), 3, flags, |api, bed| {
+        api.apply(service("web", WEB, json!({})));
+        api.apply(slice("web", &[(bed.endpoint(0).ip, "node-a")]));
+        // In the first list: a relist that failed on them would never complete.
+        api.apply(undecodable_service("broken-list"));
+        let mut bad = raw_slice(
+            "broken-list-1",
+            "broken-list",
+            "IPv4",
+            json!([ep_json(bed.endpoint(2).ip)]),
+        );
+        bad["endpoints"][0]["conditions"]["ready"] = json!("yes");
+        api.apply(bad);
+    });
+    assert_eq!(
+        c.who(&format!("{WEB}:80")),
+        c.bed.endpoint(0).name,
+        "served from the first list"
+    );
+    let served = send_hostile_objects(&c.api, &c.bed);
+    c.move_web_to(1, "after the hostile objects");
+    c.api.apply(service("web2", "10.96.165.11", json!({})));
+    c.api.apply(slice("web2", &[(c.bed.endpoint(0).ip, "node-a")]));
+    let ep2 = c.bed.endpoint(2).name.clone();
+    let check = |when: &str| {
+        for (what, to) in &served {
+            let mut last = String::new();
+            wait_until_every(POLL, Duration::from_secs(20), what, || {
+                last = c.who(to);
+                last == ep2
+            });
+            println!("{when}: {what} ({to}) answered by {last}");
+        }
+        // Created after the hostile objects: served once its own sync comes.
+        let ep0 = c.bed.endpoint(0).name.clone();
+        wait_until_every(POLL, Duration::from_secs(20), &format!("{when}: web2"), || {
+            c.who("10.96.165.11:80") == ep0
+        });
+        for (name, want) in [
+            ("many-slices", 100),
+            ("big-slice", 1000),
+            ("duplicates", 1),
+            ("addresses", 1),
+        ] {
+            assert_eq!(c.endpoints_in_kernel(nft, name), want, "{when}: endpoints of {name}");
+        }
+        assert_eq!(
+            c.who("10.96.165.35:80"),
+            "timeout",
+            "{when}: the over-long name is not programmed"
+        );
+        assert_eq!(
+            c.who("10.96.165.34:80"),
+            "refused",
+            "{when}: names at the maximum length without endpoints"
+        );
+        // klog quotes the message: its own quotes come escaped.
+        let log = c.daemon.log().replace("\\\"", "\"");
+        for m in hostile_messages() {
+            assert!(
+                log.contains(&m),
+                "{when}: message {m:?} in the log:
+{}",
+                tail(&log)
+            );
+        }
+    };
+    check("by watch");
+    // A relist (410 Gone) with every hostile object in the list.
+    c.api.expire_watches();
+    c.move_web_to(2, "after the relist");
+    c.move_web_to(0, "and once more");
+    check("after the relist");
+}
+
+/// The last lines of a long log.
+fn tail(log: &str) -> String {
+    let lines: Vec<&str> = log.lines().collect();
+    lines[lines.len().saturating_sub(40)..].join("\n")
+}
+
+fn hostile_objects_in_iptables_mode() {
+    hostile_objects_are_skipped_and_the_rest_keeps_working("iptables");
+}
+
+fn hostile_objects_in_nftables_mode() {
+    hostile_objects_are_skipped_and_the_rest_keeps_working("nftables");
+}
+
 common::harness::main! {
     &[Root, Tool("ip"), Tool("sysctl"), Tool("iptables"), Tool("iptables-save"), Tool("iptables-restore")] =>
         api_objects_reach_the_kernel_and_the_starting_event_is_sent,
         api_outage_with_410_converges_without_breaking_traffic,
         healthz_turns_503_while_changes_cannot_be_synced,
-        health_check_node_port_and_metrics_over_http;
+        health_check_node_port_and_metrics_over_http,
+        hostile_objects_in_iptables_mode;
     &[Root, Tool("ip"), Tool("sysctl"), Tool("nft")] =>
+        hostile_objects_in_nftables_mode,
         service_cidrs_from_the_api_reach_the_kernel,
         service_cidrs_fall_back_to_v1beta1_where_v1_is_not_served;
 }

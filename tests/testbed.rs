@@ -10,6 +10,7 @@ use std::time::Instant;
 use common::netns::netns_list;
 use kube_proxy::lab::probe::{ERR_REFUSED, ERR_TIMEOUT, ERR_UNREACHABLE, ProbeArgs};
 use kube_proxy::lab::testbed::{SERVER_PORT, Testbed, TestbedSpec};
+use kube_proxy::model::IpFamily;
 
 const PREFIX: &str = "kptb";
 
@@ -158,6 +159,67 @@ fn unrouted_addresses_time_out_or_are_unreachable() {
     assert_eq!(r.attempts[0].error.as_deref(), Some(ERR_UNREACHABLE), "{r:?}");
 }
 
+fn the_bed_is_dual_stack_the_same_paths_work_over_ipv6() {
+    let bed = build(2);
+    assert!(bed.has_ipv6());
+    let v6 = IpFamily::V6;
+    let client = bed.client_ip_in(v6);
+    assert_eq!(client.to_string(), "fd00:10:244:9::2");
+    for (i, ep) in bed.endpoints().iter().enumerate() {
+        assert_eq!(ep.ip_in(v6).to_string(), format!("fd00:10:244:{}::2", i + 1));
+        for args in [
+            ProbeArgs::tcp(ep.server_addr_in(v6)).with_count(3),
+            ProbeArgs::udp(ep.server_addr_in(v6)).with_count(3),
+        ] {
+            let r = bed.probe(&bed.client, &args).unwrap();
+            assert!(r.all_ok(), "{args:?}: {r:?}");
+            assert_eq!(r.names().into_iter().collect::<Vec<_>>(), vec![(ep.name.clone(), 3)]);
+            assert_eq!(r.seen_sources().into_iter().collect::<Vec<_>>(), vec![client], "{r:?}");
+        }
+    }
+    // The outside host reaches a pod through the node, with its own address kept.
+    let ep = bed.endpoint(1);
+    for src in bed.outside_ips_in(v6) {
+        let r = bed
+            .probe(&bed.outside, &ProbeArgs::tcp(ep.server_addr_in(v6)).with_bind(src))
+            .unwrap();
+        assert!(r.all_ok(), "{r:?}");
+        assert_eq!(r.attempts[0].seen_src, Some(src));
+    }
+    // The node's own traffic to a pod leaves from its side of the pod's link.
+    let r = bed
+        .probe(&bed.node, &ProbeArgs::tcp(bed.endpoint(0).server_addr_in(v6)))
+        .unwrap();
+    assert_eq!(r.attempts[0].seen_src, Some(bed.endpoint(0).gateway_in(v6)), "{r:?}");
+    // No forwarding on the outside host: nothing outside the routed prefixes gets anywhere.
+    let r = bed
+        .probe(&bed.outside, &ProbeArgs::tcp("[fd00:99::1]:80".parse().unwrap()))
+        .unwrap();
+    assert_eq!(r.attempts[0].error.as_deref(), Some(ERR_UNREACHABLE), "{r:?}");
+}
+
+/// An ICMPv6 port unreachable from the node (an ip6tables REJECT in the node's namespace, as
+/// kube-proxy's rules send it) is seen as a refusal at once, not on the SYN retry a second
+/// later: the probe sets IPV6_RECVERR.
+fn an_ipv6_reject_on_the_node_is_refused_at_once() {
+    let bed = build(1);
+    let to = SocketAddr::new(bed.endpoint(0).ip_in(IpFamily::V6), SERVER_PORT);
+    bed.node
+        .exec_ok(
+            "ip6tables",
+            ["-A", "FORWARD", "-p", "tcp", "--dport", "8080", "-j", "REJECT"],
+        )
+        .unwrap();
+    let r = bed
+        .probe(&bed.client, &ProbeArgs::tcp(to).with_count(10).with_timeout_ms(3000))
+        .unwrap();
+    for a in &r.attempts {
+        assert_eq!(a.error.as_deref(), Some(ERR_REFUSED), "{r:?}");
+        assert!(a.elapsed_us < 100_000, "refusal took {} µs", a.elapsed_us);
+    }
+    assert_eq!(r.attempts.len(), 10);
+}
+
 fn dropping_a_bed_removes_its_namespaces_and_processes() {
     let bed = build(2);
     let id = bed.id().to_string();
@@ -221,4 +283,8 @@ common::harness::main! {
         unrouted_addresses_time_out_or_are_unreachable,
         dropping_a_bed_removes_its_namespaces_and_processes,
         a_panicking_test_still_cleans_up;
+    &[Root, Tool("ip"), Tool("sysctl"), Kernel(Ipv6)] =>
+        the_bed_is_dual_stack_the_same_paths_work_over_ipv6;
+    &[Root, Tool("ip"), Tool("sysctl"), Tool("ip6tables"), Kernel(Ipv6)] =>
+        an_ipv6_reject_on_the_node_is_refused_at_once;
 }

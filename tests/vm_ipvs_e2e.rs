@@ -11,6 +11,9 @@
 //!   timeouts are set in the node's namespace, and not in the guest's own;
 //! - rr: a ClusterIP's connections go round the endpoints in turn, exactly (and pass the
 //!   chi-square test of the iptables suite);
+//! - IPv6 (the test bed is dual-stack): an IPv6 ClusterIP on `kube-ipvs0`, rr over its IPv6
+//!   real servers from a pod (client address kept), and its NodePort on the node's IPv6
+//!   address from the outside host (masqueraded); both go with the mode switch and cleanup;
 //! - NodePort from the outside host (masqueraded), externalTrafficPolicy Local (client address
 //!   kept, local endpoints only), loadBalancerSourceRanges (allowed source in, other dropped),
 //!   sessionAffinity ClientIP (one endpoint for every connection);
@@ -67,7 +70,8 @@ mod in_vm {
     use kube_proxy::lab::netns::ChildGuard;
     use kube_proxy::lab::probe::{ProbeArgs, ProbeReport};
     use kube_proxy::lab::scenario::{Ep, ServiceSpec, manifests};
-    use kube_proxy::lab::testbed::{Testbed, TestbedSpec};
+    use kube_proxy::lab::testbed::{CLUSTER_CIDRS, Testbed, TestbedSpec};
+    use kube_proxy::model::IpFamily;
 
     use crate::common::explain::Explained;
     use crate::common::netns::in_netns;
@@ -87,6 +91,9 @@ mod in_vm {
     const FOREIGN: &str = "192.168.49.2:443";
     const LB_NODE_PORT: u16 = 32518;
     const LOCAL_NODE_PORT: u16 = 32519;
+    /// An IPv6 Service (every endpoint's IPv6 address) and its NodePort.
+    const WEB6: &str = "fd00:10:96::165:10";
+    const WEB6_NODE_PORT: u16 = 32520;
 
     fn sa(ip: &str, port: u16) -> SocketAddr {
         SocketAddr::new(ip.parse().expect("test address"), port)
@@ -125,7 +132,14 @@ mod in_vm {
         let drain = ServiceSpec::new("drain", DRAIN, drain);
         let mut dns = ServiceSpec::new("dns", DNS, udp);
         dns.protocol = "UDP";
-        let all = [web, empty, sticky, lb, local, drain, dns];
+        let all6: Vec<Ep> = bed
+            .endpoints()
+            .iter()
+            .map(|e| Ep::local(e.ip_in(IpFamily::V6)))
+            .collect();
+        let mut web6 = ServiceSpec::new("web6", WEB6, &all6);
+        web6.node_port = Some(WEB6_NODE_PORT);
+        let all = [web, empty, sticky, lb, local, drain, dns, web6];
         let kept: Vec<ServiceSpec<'_>> = all.into_iter().filter(|s| s.name != skip).collect();
         manifests(&kept)
     }
@@ -142,7 +156,7 @@ mod in_vm {
             vec![
                 format!("--proxy-mode={mode}"),
                 "--hostname-override=node-a".into(),
-                "--cluster-cidr=10.244.0.0/16".into(),
+                format!("--cluster-cidr={CLUSTER_CIDRS}"),
                 format!("--{mode}-min-sync-period=0s"),
                 format!("--{mode}-sync-period=2s"),
                 "--manifests".into(),
@@ -301,6 +315,7 @@ mod in_vm {
         step("rr", &mut || round_robin(&node));
         step("explain (healthy)", &mut || explain_healthy(&node));
         step("NodePort", &mut || node_port_and_local_policy(&node));
+        step("IPv6", &mut || ipv6_cluster_ip_and_node_port(&node));
         step("NodePort on a new address", &mut || node_port_follows_addresses(&node));
         step("zero endpoints", &mut || zero_endpoints(&node));
         step("explain (zero endpoints)", &mut || explain_zero_endpoints(&node));
@@ -543,6 +558,55 @@ mod in_vm {
             vec![node.bed.client_ip()]
         );
         println!("rr: 300 connections {counts:?}");
+    }
+
+    /// IPv6: the ClusterIP on kube-ipvs0 with its real servers, rr from a pod (not
+    /// masqueraded), and the NodePort on the node's IPv6 address from outside (masqueraded).
+    fn ipv6_cluster_ip_and_node_port(node: &Node) {
+        let bed = &node.bed;
+        let v6 = IpFamily::V6;
+        let vip = sa(WEB6, 80);
+        let list = node.ipvsadm(&["-Ln", "-t", &vip.to_string()]);
+        assert!(list.contains(&format!("TCP  {vip} rr")), "{list}");
+        let reals = node.real_servers(vip);
+        let want: Vec<SocketAddr> = bed.endpoints().iter().map(|e| e.server_addr_in(v6)).collect();
+        assert_eq!(reals.keys().copied().collect::<Vec<_>>(), want, "{list}");
+        let links = bed
+            .node
+            .ip(["-o", "addr", "show", "dev", "kube-ipvs0"])
+            .expect("ip addr");
+        assert!(links.contains(&format!("inet6 {WEB6}/128")), "{links}");
+
+        let r = node.probe(&bed.client, &ProbeArgs::tcp(vip).with_count(30));
+        assert_eq!(r.ok_count(), 30, "{:?}", r.errors());
+        let counts = r.names();
+        assert!(
+            counts.len() == 3 && counts.values().all(|&c| c == 10),
+            "rr over IPv6: {counts:?}"
+        );
+        assert_eq!(
+            r.seen_sources().into_iter().collect::<Vec<_>>(),
+            vec![bed.client_ip_in(v6)],
+            "a pod's address is kept"
+        );
+
+        let np = SocketAddr::new(bed.node_ip_in(v6), WEB6_NODE_PORT);
+        assert!(
+            on_port(node, WEB6_NODE_PORT).contains(&format!("TCP {np} rr")),
+            "{:?}",
+            on_port(node, WEB6_NODE_PORT)
+        );
+        let outside = bed.outside_ips_in(v6)[0];
+        let r = node.probe(&bed.outside, &ProbeArgs::tcp(np).with_bind(outside).with_count(6));
+        assert!(r.all_ok(), "IPv6 NodePort from outside: {:?}", r.errors());
+        assert_eq!(r.names().len(), 3, "{:?}", r.names());
+        let gateways: std::collections::BTreeSet<IpAddr> = bed.endpoints().iter().map(|e| e.gateway_in(v6)).collect();
+        assert!(
+            r.seen_sources().is_subset(&gateways),
+            "masqueraded to the node's address on the pod's link: {:?}",
+            r.seen_sources()
+        );
+        println!("IPv6: rr {counts:?}; NodePort {np} from {outside}: {:?}", r.names());
     }
 
     fn node_port_and_local_policy(node: &Node) {

@@ -190,7 +190,7 @@ fn start_servers(
         metrics.register_nfacct(n);
     }
     let bind = |addr: SocketAddr, what: &str| -> anyhow::Result<Option<tokio::net::TcpListener>> {
-        match runtime.block_on(tokio::net::TcpListener::bind(addr)) {
+        match runtime.block_on(async { http::bind(addr) }) {
             Ok(l) => {
                 info!(address = %addr, server = what, "Serving");
                 Ok(Some(l))

@@ -251,9 +251,11 @@ impl Netns {
         self.ip(["addr", "add", &addr.to_string(), "dev", ifname]).map(drop)
     }
 
-    /// `ip route add DEST via GATEWAY` (DEST may be `default`).
+    /// `ip -4|-6 route add DEST via GATEWAY` (DEST may be `default`), in the gateway's family.
     pub fn add_route(&self, dest: &str, via: IpAddr) -> Result<()> {
-        self.ip(["route", "add", dest, "via", &via.to_string()]).map(drop)
+        let family = if via.is_ipv4() { "-4" } else { "-6" };
+        self.ip([family, "route", "add", dest, "via", &via.to_string()])
+            .map(drop)
     }
 
     /// `ip route add default via GATEWAY`.

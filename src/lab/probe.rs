@@ -429,7 +429,13 @@ fn tcp_connect(
         let sock = if to.is_ipv4() {
             tokio::net::TcpSocket::new_v4()?
         } else {
-            tokio::net::TcpSocket::new_v6()?
+            let sock = tokio::net::TcpSocket::new_v6()?;
+            // An ICMPv6 error that arrives while connect() still holds the socket is kept only
+            // as a soft error, reported on the SYN retry ~1 s later; with IPV6_RECVERR it
+            // wakes the connect at once (IPv4 reports it at once anyway).
+            nix::sys::socket::setsockopt(&sock, nix::sys::socket::sockopt::Ipv6RecvErr, &true)
+                .map_err(|e| other(format!("IPV6_RECVERR: {e}")))?;
+            sock
         };
         if let Some(ip) = bind {
             sock.bind(SocketAddr::new(ip, 0))

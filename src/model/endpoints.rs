@@ -11,8 +11,8 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use super::addr::parse_ip_sloppy;
 use super::places::Place;
 use super::{
-    IpFamily, LABEL_HEADLESS, LABEL_SERVICE_NAME, LABEL_SERVICE_PROXY_NAME, Protocol, ServicePortName, is_valid_name,
-    is_valid_port_name,
+    IpFamily, LABEL_HEADLESS, LABEL_SERVICE_NAME, LABEL_SERVICE_PROXY_NAME, Protocol, ServicePortName, is_valid_label,
+    is_valid_name, is_valid_port_name,
 };
 
 /// One endpoint of one service port.
@@ -172,7 +172,7 @@ impl SliceEntry {
         let (namespace, slice_name) = &self.key;
         let warnings = &mut self.warnings;
         let id = format!("EndpointSlice {namespace}/{slice_name}");
-        if !is_valid_name(namespace) || !is_valid_name(slice_name) {
+        if !is_valid_label(namespace) || !is_valid_name(slice_name) {
             warnings.push(format!(
                 "EndpointSlice {namespace:?}/{slice_name:?}: field metadata.name/namespace: not a valid Kubernetes name; skipped"
             ));
@@ -189,7 +189,7 @@ impl SliceEntry {
             ));
             return;
         };
-        if !is_valid_name(service) {
+        if !is_valid_label(service) {
             warnings.push(format!(
                 "{id}: field metadata.labels[{LABEL_SERVICE_NAME}]: {service:?} is not a valid Service name; slice skipped"
             ));

@@ -172,10 +172,34 @@ pub(crate) fn is_valid_name(s: &str) -> bool {
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
 }
 
+/// Namespaces, Service names and label values: [`is_valid_name`], at most 63 characters (DNS
+/// labels, as the API server validates them). Longer ones would not fit in the rules' comments
+/// (iptables takes 255 characters), and one rejected comment fails the whole sync.
+pub(crate) fn is_valid_label(s: &str) -> bool {
+    s.len() <= 63 && is_valid_name(s)
+}
+
 /// Port names: empty (unnamed) or a lower-case IANA service name.
 pub(crate) fn is_valid_port_name(s: &str) -> bool {
     s.is_empty()
         || (s.len() <= 63
             && s.bytes()
                 .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_dns_labels_of_at_most_63_characters_slices_subdomains() {
+        assert!(is_valid_label(&"a".repeat(63)));
+        assert!(!is_valid_label(&"a".repeat(64)), "longer than the API allows");
+        assert!(
+            is_valid_name(&"a".repeat(253)),
+            "an EndpointSlice name may be a subdomain"
+        );
+        assert!(!is_valid_name(&"a".repeat(254)));
+        assert!(!is_valid_label("Web") && !is_valid_label("a b") && !is_valid_label(""));
+    }
 }

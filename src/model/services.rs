@@ -8,7 +8,7 @@ use ipnet::IpNet;
 use k8s_openapi::api::core::v1::{Service, ServicePort as ApiServicePort, ServiceSpec};
 
 use super::addr::{parse_cidr_sloppy, parse_ip_sloppy};
-use super::{IpFamily, LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME, Protocol, is_valid_name, is_valid_port_name};
+use super::{IpFamily, LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME, Protocol, is_valid_label, is_valid_port_name};
 
 /// Upstream's `ServicePortName`: `ns/name` plus the port name, with the protocol carried
 /// alongside. Its `Display` is `ns/name[:port]`, the string used in comments and chain hashes.
@@ -166,7 +166,7 @@ fn service_to_ports(svc: &Service, family: IpFamily, warnings: &mut Vec<String>,
         return;
     }
     let id = format!("Service {namespace}/{name}");
-    if !is_valid_name(&namespace) || !is_valid_name(&name) {
+    if !is_valid_label(&namespace) || !is_valid_label(&name) {
         warnings.push(format!(
             "Service {namespace:?}/{name:?}: field metadata.name/namespace: not a valid Kubernetes name; skipped"
         ));

@@ -56,6 +56,20 @@ pub const AFFINITY_PREFIX: &str = "affinity-";
 /// knftables' `NameLengthMax` (256) minus the longest prefix (16).
 pub const CHAIN_NAME_BASE_LENGTH_MAX: usize = 256 - 16;
 
+/// knftables' `CommentLengthMax`: the longest comment nft and the kernel take on an element.
+pub const COMMENT_LENGTH_MAX: usize = 128;
+
+/// A comment cut to [`COMMENT_LENGTH_MAX`] bytes, as upstream cuts a Service's name string
+/// (kubernetes#139515: a namespace and a name of 63 characters each make a longer one, and
+/// the kernel then refuses the whole transaction).
+pub fn comment(text: &str) -> String {
+    let mut cut = text.len().min(COMMENT_LENGTH_MAX);
+    while !text.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    text[..cut].to_string()
+}
+
 /// Upstream's `hashAndTruncate`: `HASH8-name`, cut to 240 bytes ending in `...`.
 pub fn hash_and_truncate(name: &str) -> String {
     let digest = Sha256::digest(name.as_bytes());
@@ -156,6 +170,14 @@ pub fn is_affinity_set_name(set: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn comments_are_cut_to_128_bytes() {
+        assert_eq!(comment("ns/svc:p"), "ns/svc:p");
+        let long = format!("{}/{}:{}", "n".repeat(63), "s".repeat(63), "p".repeat(15));
+        assert_eq!(comment(&long), long[..128]);
+        assert_eq!(comment(&"é".repeat(100)).len(), 128, "cut at a char boundary");
+    }
 
     #[test]
     fn golden_service_chain_names() {

@@ -669,7 +669,7 @@ impl<'a> ServiceRules<'a> {
             ctx,
             sps,
             svc,
-            name: svc.name.to_string(),
+            name: comment(&svc.name.to_string()),
             chains,
             has_internal: sets.has_for_policy(svc.internal_policy_local),
             has_external: sets.has_for_policy(svc.external_policy_local),

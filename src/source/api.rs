@@ -11,6 +11,11 @@
 //! (`model::store`); the k8s objects are not kept. Each event that changes what the proxy sees
 //! becomes an [`Update`] (an update that converts to an equal entry is none).
 //!
+//! Objects are watched as [`Raw`] JSON and decoded one by one ([`super::decode`]): one that
+//! does not fit the typed struct is skipped with a warning naming it and the field, and keeps
+//! the version the source had of it (none if it never decoded); the rest of the list or
+//! watch goes on. A deletion needs only the name, so it is never lost that way.
+//!
 //! ServiceCIDRs (nftables mode's `cluster-ips-check`) are watched as `networking.k8s.io/v1`,
 //! else as `v1beta1` where the API server answers the v1 list with 404 (the version is not
 //! served: before 1.33, where v1beta1 may be enabled); when neither is served the check has no
@@ -40,6 +45,8 @@ use serde::de::DeserializeOwned;
 use tokio::sync::mpsc::UnboundedSender;
 use tracing::{info, warn};
 
+use super::decode::Raw;
+
 use crate::config::ClientConnection;
 use crate::model::store::{self, Change, ObjectName, object_name};
 use crate::model::{LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME, ServiceEntry, SliceEntry};
@@ -68,13 +75,18 @@ impl<T> Default for KindStore<T> {
     }
 }
 
+/// The k8s-openapi kinds the source watches (decoded from [`Raw`] one by one).
+pub trait Kind: k8s_openapi::Resource + DeserializeOwned + Send + Sync + 'static {}
+
+impl<K: k8s_openapi::Resource + DeserializeOwned + Send + Sync + 'static> Kind for K {}
+
 impl<T: PartialEq + Clone> KindStore<T> {
-    /// Applies one watcher event, converting objects with `convert`; what the proxy sees
-    /// change, as `(name, new version or None)` (an update that converts to an equal entry
-    /// changes nothing).
-    fn apply<K: Resource>(
+    /// Applies one watcher event, decoding and converting objects with `convert`; what the
+    /// proxy sees change, as `(name, new version or None)` (an update that converts to an equal
+    /// entry changes nothing, nor does one that does not decode).
+    fn apply<K: Kind>(
         &mut self,
-        event: watcher::Event<K>,
+        event: watcher::Event<Raw<K>>,
         convert: impl Fn(&K) -> T,
     ) -> Vec<(ObjectName, Option<T>)> {
         match event {
@@ -83,8 +95,10 @@ impl<T: PartialEq + Clone> KindStore<T> {
                 Vec::new()
             }
             watcher::Event::InitApply(o) => {
-                if let Some(buf) = self.relist.as_mut() {
-                    buf.insert(object_name(o.meta()), convert(&o));
+                let name = object_name(o.meta());
+                let entry = self.decoded(&name, o, convert);
+                if let (Some(buf), Some(entry)) = (self.relist.as_mut(), entry) {
+                    buf.insert(name, entry);
                 }
                 Vec::new()
             }
@@ -108,7 +122,9 @@ impl<T: PartialEq + Clone> KindStore<T> {
             }
             watcher::Event::Apply(o) => {
                 let name = object_name(o.meta());
-                let entry = convert(&o);
+                let Some(entry) = self.decoded(&name, o, convert) else {
+                    return Vec::new();
+                };
                 if self.objects.get(&name) == Some(&entry) {
                     return Vec::new();
                 }
@@ -125,8 +141,26 @@ impl<T: PartialEq + Clone> KindStore<T> {
         }
     }
 
+    /// `raw` decoded and converted. One that does not decode is reported (naming it and the
+    /// field) and keeps the version this store has of it, if any.
+    fn decoded<K: Kind>(&self, name: &ObjectName, raw: Raw<K>, convert: impl Fn(&K) -> T) -> Option<T> {
+        match raw.decode() {
+            Ok(o) => Some(convert(&o)),
+            Err(e) => {
+                let kept = self.objects.get(name).cloned();
+                let previous = if kept.is_some() {
+                    "; its previous version stays"
+                } else {
+                    ""
+                };
+                warn!("{e}; object skipped{previous}");
+                kept
+            }
+        }
+    }
+
     /// As [`KindStore::apply`], for kinds handed on whole: every object, if anything changed.
-    fn apply_whole<K: Resource>(&mut self, event: watcher::Event<K>, convert: impl Fn(&K) -> T) -> Option<Vec<T>> {
+    fn apply_whole<K: Kind>(&mut self, event: watcher::Event<Raw<K>>, convert: impl Fn(&K) -> T) -> Option<Vec<T>> {
         if self.apply(event, convert).is_empty() {
             return None;
         }
@@ -146,6 +180,94 @@ impl Watched {
     /// Both initial lists are in.
     fn synced(&self) -> bool {
         self.services.synced && self.slices.synced
+    }
+}
+
+/// The source's handling of watch events without a server: each line of a replay is one
+/// watch event (`{"type":"ADDED"|"MODIFIED"|"DELETED","object":{...}}`) of a Service,
+/// EndpointSlice or Node (by the object's `kind`), or `INIT` / `INIT_DONE`, which frame a
+/// relist as the watcher does (objects in between are listed, not applied). Each line goes
+/// through the decoding and the stores the watchers use; what the proxy sees change comes
+/// back as [`Change`]s. For the fuzz target over watch events, and tests.
+pub struct Replay {
+    watched: Watched,
+    node_name: String,
+    relisting: bool,
+}
+
+impl Replay {
+    pub fn new(node_name: &str) -> Replay {
+        Replay {
+            watched: Watched::default(),
+            node_name: node_name.to_string(),
+            relisting: false,
+        }
+    }
+
+    /// Applies one line; an error (and no change) for a line that is no watch event of a kind
+    /// the source watches, as a watch stream reports and skips it.
+    pub fn line(&mut self, line: &str) -> Result<Vec<Change>, String> {
+        let w = &mut self.watched;
+        let node_name = self.node_name.clone();
+        type Events = (
+            Option<watcher::Event<Raw<Service>>>,
+            Option<watcher::Event<Raw<EndpointSlice>>>,
+            Option<watcher::Event<Raw<Node>>>,
+        );
+        let (services, slices, nodes): Events = match line.trim() {
+            "INIT" => {
+                self.relisting = true;
+                (
+                    Some(watcher::Event::Init),
+                    Some(watcher::Event::Init),
+                    Some(watcher::Event::Init),
+                )
+            }
+            "INIT_DONE" => {
+                self.relisting = false;
+                let done = Some(watcher::Event::InitDone);
+                (done, Some(watcher::Event::InitDone), Some(watcher::Event::InitDone))
+            }
+            text => {
+                let value: serde_json::Value = serde_json::from_str(text).map_err(|e| e.to_string())?;
+                let kind = value.get("object").and_then(|o| o.get("kind")).and_then(|k| k.as_str());
+                match kind {
+                    Some("Service") => (Some(replayed(value, self.relisting)?), None, None),
+                    Some("EndpointSlice") => (None, Some(replayed(value, self.relisting)?), None),
+                    Some("Node") => (None, None, Some(replayed(value, self.relisting)?)),
+                    other => return Err(format!("not a watched kind: {other:?}")),
+                }
+            }
+        };
+        let mut out = Vec::new();
+        if let Some(e) = services {
+            out.extend(
+                w.services
+                    .apply(e, store::service_entry)
+                    .into_iter()
+                    .map(|(n, e)| Change::Service(n, e)),
+            );
+        }
+        if let Some(e) = slices {
+            let changes = w.slices.apply(e, |s| store::slice_entry(s, &node_name));
+            out.extend(changes.into_iter().map(|(n, e)| Change::Slice(n, e)));
+        }
+        if let Some(e) = nodes {
+            out.extend(w.nodes.apply_whole(e, Node::clone).map(Change::Nodes));
+        }
+        Ok(out)
+    }
+}
+
+/// A watch event line as the watcher hands it on (inside a relist, as listed).
+fn replayed<K: Kind>(value: serde_json::Value, relisting: bool) -> Result<watcher::Event<Raw<K>>, String> {
+    use kube::core::WatchEvent;
+    let event: WatchEvent<Raw<K>> = serde_json::from_value(value).map_err(|e| e.to_string())?;
+    match event {
+        WatchEvent::Added(o) | WatchEvent::Modified(o) if relisting => Ok(watcher::Event::InitApply(o)),
+        WatchEvent::Added(o) | WatchEvent::Modified(o) => Ok(watcher::Event::Apply(o)),
+        WatchEvent::Deleted(o) => Ok(watcher::Event::Delete(o)),
+        WatchEvent::Bookmark(_) | WatchEvent::Error(_) => Err("no object".into()),
     }
 }
 
@@ -197,8 +319,8 @@ impl ApiSource {
         let selector = label_selector();
         let svc_cfg = watcher::Config::default().labels(&selector);
         let node_cfg = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
-        runtime.spawn(watch(
-            Api::<Service>::all(client.clone()),
+        runtime.spawn(watch::<Service>(
+            client.clone(),
             svc_cfg.clone(),
             (store.clone(), updates.clone(), status.clone()),
             |w, e| {
@@ -206,8 +328,8 @@ impl ApiSource {
                 changes.into_iter().map(|(n, e)| Change::Service(n, e)).collect()
             },
         ));
-        runtime.spawn(watch(
-            Api::<EndpointSlice>::all(client.clone()),
+        runtime.spawn(watch::<EndpointSlice>(
+            client.clone(),
             svc_cfg,
             (store.clone(), updates.clone(), status.clone()),
             {
@@ -218,8 +340,8 @@ impl ApiSource {
                 }
             },
         ));
-        runtime.spawn(watch(
-            Api::<Node>::all(client.clone()),
+        runtime.spawn(watch::<Node>(
+            client.clone(),
             node_cfg,
             (store.clone(), updates.clone(), status.clone()),
             |w, e| {
@@ -269,16 +391,13 @@ async fn client(cfg: &ClientConnection) -> anyhow::Result<Client> {
 type WatchSinks = (Arc<Mutex<Watched>>, UnboundedSender<Update>, SourceStatus);
 
 /// Watches one kind for as long as the daemon runs.
-async fn watch<K>(
-    api: Api<K>,
+async fn watch<K: Kind>(
+    client: Client,
     config: watcher::Config,
-    (store, updates, status): WatchSinks,
-    apply: impl Fn(&mut Watched, watcher::Event<K>) -> Vec<Change> + Send + 'static,
-) where
-    K: Resource + Clone + DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
-    K::DynamicType: Default,
-{
-    watch_until(api, config, (store, updates, status), apply, false).await;
+    sinks: WatchSinks,
+    apply: impl Fn(&mut Watched, watcher::Event<Raw<K>>) -> Vec<Change> + Send + 'static,
+) {
+    watch_until(client, config, sinks, apply, false).await;
 }
 
 /// Why [`watch_until`] stopped.
@@ -292,18 +411,15 @@ enum WatchEnd {
 
 /// Watches one kind until the daemon is gone or, with `stop_if_not_served`, until the API
 /// server says it does not serve it (any other error is retried with the backoff).
-async fn watch_until<K>(
-    api: Api<K>,
+async fn watch_until<K: Kind>(
+    client: Client,
     config: watcher::Config,
     (store, updates, status): WatchSinks,
-    apply: impl Fn(&mut Watched, watcher::Event<K>) -> Vec<Change> + Send + 'static,
+    apply: impl Fn(&mut Watched, watcher::Event<Raw<K>>) -> Vec<Change> + Send + 'static,
     stop_if_not_served: bool,
-) -> WatchEnd
-where
-    K: Resource + Clone + DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
-    K::DynamicType: Default,
-{
-    let name = K::kind(&K::DynamicType::default()).to_string();
+) -> WatchEnd {
+    let name = K::KIND;
+    let api = Api::<Raw<K>>::all(client);
     let mut stream = watcher(api, config).default_backoff().boxed();
     while let Some(event) = stream.next().await {
         match event {
@@ -392,20 +508,21 @@ async fn watch_service_cidr_version<K>(
     cidrs: fn(&K) -> Option<&[String]>,
 ) -> WatchEnd
 where
-    K: Resource + Clone + DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
-    K::DynamicType: Default,
+    K: Kind + k8s_openapi::Metadata<Ty = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>,
 {
-    let apply = move |w: &mut Watched, e: watcher::Event<K>| service_cidr_changes(w, e, cidrs);
-    let api = Api::<K>::all(client.clone());
-    watch_until(api, watcher::Config::default(), sinks.clone(), apply, true).await
+    let apply = move |w: &mut Watched, e: watcher::Event<Raw<K>>| service_cidr_changes(w, e, cidrs);
+    watch_until(client.clone(), watcher::Config::default(), sinks.clone(), apply, true).await
 }
 
 /// The ServiceCIDRs, whole, if `event` changed them (`cidrs` reads an object's `spec.cidrs`).
-fn service_cidr_changes<K: Resource>(
+fn service_cidr_changes<K>(
     w: &mut Watched,
-    event: watcher::Event<K>,
+    event: watcher::Event<Raw<K>>,
     cidrs: fn(&K) -> Option<&[String]>,
-) -> Vec<Change> {
+) -> Vec<Change>
+where
+    K: Kind + k8s_openapi::Metadata<Ty = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>,
+{
     let convert = |c: &K| store::service_cidr_entry(c.meta().name.as_deref(), cidrs(c));
     let all = w.service_cidrs.apply_whole(event, convert);
     all.map(Change::ServiceCidrs).into_iter().collect()
@@ -489,11 +606,85 @@ pub fn default_kubeconfig() -> Option<PathBuf> {
 mod tests {
     use super::*;
 
-    fn svc(name: &str) -> Service {
+    /// `o` as it arrives from the API server.
+    fn raw<K: k8s_openapi::Resource + serde::Serialize>(o: &K) -> Raw<K> {
+        Raw::from_json(serde_json::to_value(o).expect("serializes"))
+    }
+
+    fn svc(name: &str) -> Raw<Service> {
         let mut s = Service::default();
         s.metadata.name = Some(name.into());
         s.metadata.namespace = Some("d".into());
-        s
+        raw(&s)
+    }
+
+    /// A Service that does not decode (a port number that is a string).
+    fn undecodable(name: &str) -> Raw<Service> {
+        Raw::from_json(serde_json::json!({
+            "metadata": {"name": name, "namespace": "d"},
+            "spec": {"clusterIP": "10.0.0.1", "ports": [{"port": "eighty"}]},
+        }))
+    }
+
+    fn with_ip(name: &str, ip: &str) -> Raw<Service> {
+        Raw::from_json(serde_json::json!({
+            "metadata": {"name": name, "namespace": "d"},
+            "spec": {"clusterIP": ip, "ports": [{"port": 80}]},
+        }))
+    }
+
+    #[test]
+    fn a_replay_goes_through_the_watchers_decoding_and_stores() {
+        let mut r = Replay::new("node-a");
+        let svc = r#"{"type":"ADDED","object":{"kind":"Service","metadata":{"name":"a","namespace":"d"},"spec":{"clusterIP":"10.0.0.1","ports":[{"port":80}]}}}"#;
+        let bad = r#"{"type":"MODIFIED","object":{"kind":"Service","metadata":{"name":"a","namespace":"d"},"spec":{"ports":"x"}}}"#;
+        let slice = r#"{"type":"ADDED","object":{"kind":"EndpointSlice","metadata":{"name":"a-1","namespace":"d","labels":{"kubernetes.io/service-name":"a"}},"addressType":"IPv4","endpoints":[{"addresses":["10.1.0.1"]}]}}"#;
+        assert!(matches!(&r.line(svc).unwrap()[..], [Change::Service(_, Some(_))]));
+        assert!(r.line(bad).unwrap().is_empty(), "does not decode: no change");
+        assert!(matches!(&r.line(slice).unwrap()[..], [Change::Slice(_, Some(_))]));
+        assert!(r.line("nonsense").is_err());
+        assert!(r.line(r#"{"type":"ADDED","object":{"kind":"Pod"}}"#).is_err());
+        // A relist without the Service deletes it; the slice stays.
+        r.line("INIT").unwrap();
+        assert!(r.line(&slice.replace("ADDED", "MODIFIED")).unwrap().is_empty());
+        let done = r.line("INIT_DONE").unwrap();
+        assert!(matches!(&done[..], [Change::Service(_, None)]), "{done:?}");
+    }
+
+    #[test]
+    fn an_object_that_does_not_decode_is_skipped_and_keeps_its_previous_version() {
+        let mut k = KindStore::<Arc<ServiceEntry>>::default();
+        let conv = store::service_entry;
+        for e in [
+            watcher::Event::Init,
+            watcher::Event::InitApply(with_ip("a", "10.0.0.1")),
+            watcher::Event::InitApply(undecodable("never")),
+        ] {
+            assert!(k.apply(e, conv).is_empty());
+        }
+        let listed = k.apply(watcher::Event::InitDone, conv);
+        assert_eq!(listed.len(), 1, "the list completes without the bad object: {listed:?}");
+        assert!(k.synced);
+        // An update that does not decode changes nothing: a keeps 10.0.0.1.
+        assert!(k.apply(watcher::Event::Apply(undecodable("a")), conv).is_empty());
+        let kept = k.objects.get(&("d".to_string(), "a".to_string())).cloned();
+        assert_eq!(
+            kept,
+            Some(store::service_entry(&with_ip("a", "10.0.0.1").decode().unwrap()))
+        );
+        // Neither does a relist in which it still does not.
+        k.apply(watcher::Event::Init, conv);
+        k.apply(watcher::Event::InitApply(undecodable("a")), conv);
+        assert!(
+            k.apply(watcher::Event::InitDone, conv).is_empty(),
+            "a is kept, not deleted"
+        );
+        assert_eq!(k.objects.len(), 1);
+        // A later good version applies, and a deletion needs only the name.
+        assert_eq!(k.apply(watcher::Event::Apply(with_ip("a", "10.0.0.2")), conv).len(), 1);
+        let gone = k.apply(watcher::Event::Delete(undecodable("a")), conv);
+        assert!(matches!(&gone[..], [(_, None)]), "{gone:?}");
+        assert!(k.objects.is_empty());
     }
 
     #[test]
@@ -557,13 +748,22 @@ mod tests {
             });
             c
         };
-        let changes = service_cidr_changes(&mut w, watcher::Event::Apply(v1("1", &["10.96.0.0/16"])), v1_cidrs);
+        let changes = service_cidr_changes(
+            &mut w,
+            watcher::Event::Apply(raw(&v1("1", &["10.96.0.0/16"]))),
+            v1_cidrs,
+        );
         assert!(
             matches!(&changes[..], [Change::ServiceCidrs(l)] if l.len() == 1),
             "{changes:?}"
         );
         assert!(
-            service_cidr_changes(&mut w, watcher::Event::Apply(v1("2", &["10.96.0.0/16"])), v1_cidrs).is_empty(),
+            service_cidr_changes(
+                &mut w,
+                watcher::Event::Apply(raw(&v1("2", &["10.96.0.0/16"]))),
+                v1_cidrs
+            )
+            .is_empty(),
             "a new resource version with the same CIDRs is no change"
         );
         // The same object as v1beta1 (after a fallback) is the same entry.
@@ -572,11 +772,11 @@ mod tests {
         beta.spec = Some(k8s_openapi::api::networking::v1beta1::ServiceCIDRSpec {
             cidrs: Some(vec!["10.96.0.0/16".into()]),
         });
-        assert!(service_cidr_changes(&mut w, watcher::Event::Apply(beta.clone()), v1beta1_cidrs).is_empty());
+        assert!(service_cidr_changes(&mut w, watcher::Event::Apply(raw(&beta)), v1beta1_cidrs).is_empty());
         beta.spec = Some(k8s_openapi::api::networking::v1beta1::ServiceCIDRSpec {
             cidrs: Some(vec!["10.96.0.0/16".into(), "10.97.0.0/24".into()]),
         });
-        let changes = service_cidr_changes(&mut w, watcher::Event::Apply(beta.clone()), v1beta1_cidrs);
+        let changes = service_cidr_changes(&mut w, watcher::Event::Apply(raw(&beta)), v1beta1_cidrs);
         let Some(Change::ServiceCidrs(list)) = changes.first() else {
             panic!("{changes:?}")
         };
@@ -584,7 +784,7 @@ mod tests {
             list[0].spec.as_ref().and_then(|s| s.cidrs.clone()).map(|c| c.len()),
             Some(2)
         );
-        let changes = service_cidr_changes(&mut w, watcher::Event::Delete(beta), v1beta1_cidrs);
+        let changes = service_cidr_changes(&mut w, watcher::Event::Delete(raw(&beta)), v1beta1_cidrs);
         assert!(
             matches!(&changes[..], [Change::ServiceCidrs(l)] if l.is_empty()),
             "{changes:?}"

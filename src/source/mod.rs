@@ -8,6 +8,7 @@
 //! that is away produces no update, so the rules stay as they are.
 
 pub mod api;
+pub mod decode;
 pub mod manifests;
 pub mod status;
 

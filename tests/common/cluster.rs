@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use kube_proxy::lab::netns::ChildGuard;
 use kube_proxy::lab::probe::{ProbeArgs, ProbeReport};
-use kube_proxy::lab::testbed::{Testbed, TestbedSpec};
+use kube_proxy::lab::testbed::{CLUSTER_CIDRS, Testbed, TestbedSpec};
 
 use super::ManifestDir;
 use super::harness::{KernelFeature, Requirement, Requirement::*};
@@ -70,7 +70,8 @@ impl Cluster {
         c
     }
 
-    /// Everything the kernel has: the iptables tables (iptables mode) or the nft ruleset.
+    /// Everything the kernel has: the iptables tables of both families (iptables mode) or
+    /// the nft ruleset.
     pub fn rules(&self) -> String {
         if self.mode == "nftables" {
             self.bed
@@ -78,8 +79,16 @@ impl Cluster {
                 .exec_ok("nft", ["list", "ruleset"])
                 .expect("nft list ruleset")
         } else {
-            format!("{}{}", self.nat(), self.filter())
+            format!("{}{}{}", self.nat(), self.filter(), self.ip6tables())
         }
+    }
+
+    /// Every ip6tables table, as `ip6tables-save` prints them.
+    pub fn ip6tables(&self) -> String {
+        self.bed
+            .node
+            .exec_ok("ip6tables-save", std::iter::empty::<&str>())
+            .expect("ip6tables-save")
     }
 
     /// The configuration file of this bed's mode (written now): the mode, the cluster CIDR,
@@ -92,7 +101,7 @@ impl Cluster {
     pub fn config_flags_for(&self, mode: &str) -> Vec<String> {
         let path = self.config.0.join(format!("kube-proxy-{mode}.yaml"));
         let config = format!(
-            "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: {mode}\nclusterCIDR: 10.244.0.0/16\n\
+            "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: {mode}\nclusterCIDR: {CLUSTER_CIDRS}\n\
              iptables:\n  syncPeriod: {SYNC_PERIOD_S}s\n  minSyncPeriod: 0s\nnftables:\n  syncPeriod: {SYNC_PERIOD_S}s\n  \
              minSyncPeriod: 0s\n{}",
             self.config_extra
@@ -110,24 +119,36 @@ impl Cluster {
         self.daemon = Some(daemon);
     }
 
-    /// Starts the daemon in `self.mode` and waits for its first sync.
+    /// Starts the daemon in `self.mode` and waits for its first sync of every family.
     pub fn spawn_synced_daemon(&self) -> ChildGuard {
         let daemon = self.spawn_daemon(&[]);
-        daemon
-            .wait_for_log("Synced rules", Duration::from_secs(20))
-            .expect("first sync");
+        // Each family syncs on its own: a test may start once all of them did.
+        let families: &[&str] = if self.bed.has_ipv6() {
+            &["IPv4", "IPv6"]
+        } else {
+            &["IPv4"]
+        };
+        for family in families {
+            daemon
+                .wait_for_log(
+                    &format!("\"Synced rules\" mode=\"{}\" ipFamily=\"{family}\"", self.mode),
+                    Duration::from_secs(20),
+                )
+                .expect("first sync");
+        }
         daemon
     }
 
-    /// iptables mode's rules in nat, filter and mangle, as `iptables-save` lines (kubelet's
-    /// KUBE-FIREWALL, which iptables mode also writes, is not removed on a switch).
+    /// iptables mode's rules in nat, filter and mangle, as `iptables-save` lines, and in
+    /// ip6tables (kubelet's KUBE-FIREWALL, which iptables mode also writes, is not removed on
+    /// a switch).
     pub fn iptables_mode_rules(&self) -> Vec<String> {
         let mangle = self
             .bed
             .node
             .exec_ok("iptables-save", ["-t", "mangle"])
             .expect("iptables-save");
-        format!("{}{}{mangle}", self.nat(), self.filter())
+        format!("{}{}{mangle}{}", self.nat(), self.filter(), self.ip6tables())
             .lines()
             .filter(|l| l.contains("KUBE-") && !l.contains("KUBE-FIREWALL"))
             .map(str::to_string)
