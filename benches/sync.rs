@@ -2,13 +2,16 @@
 //! (`unshare(CLONE_NEWNET)`), so nothing touches the machine's rules. For 10,000 Services × 10
 //! endpoints (or `SERVICES`/`ENDPOINTS` from the environment) it reports:
 //! - full render (model → restore input);
-//! - `iptables-restore` alone on the same input in a fresh namespace (the kernel's floor);
 //! - a cold full sync by the proxier (empty namespace → every rule live);
 //! - a periodic full re-sync on the loaded table;
 //! - one endpoint change made live by a partial sync, p50/p99 over `CHANGES` (default 100);
 //! - a Service losing its last endpoint and getting it back (each a partial sync that edits
 //!   one KUBE-SERVICES rule in place), p50/p99 over `ZEROS` (default 20) round trips, and
-//!   its ratio to one endpoint change.
+//!   its ratio to one endpoint change;
+//! - the peak RSS of the largest `iptables-restore`/`iptables-save` child of all those syncs,
+//!   and of this process;
+//! - last, `iptables-restore` alone on the whole rendered input in one flush-mode run, in a
+//!   fresh namespace (the stock tool's floor), with its own peak RSS.
 //!
 //! Run with `cargo bench --bench sync` (as root); `REPS` (default 3) sets the repetitions of
 //! the floor and the cold sync.
@@ -19,12 +22,13 @@ use std::time::{Duration, Instant};
 
 use kube_proxy::config::LocalDetector;
 use kube_proxy::iptables::backend::Backend;
-use kube_proxy::iptables::exec::{Exec, Fake};
+use kube_proxy::iptables::exec::Exec;
 use kube_proxy::iptables::proxier::IptablesProxier;
 use kube_proxy::iptables::{IptablesRenderOptions, render};
 use kube_proxy::model::{IpFamily, synthetic};
 use kube_proxy::proxy::RenderOptions;
 use nix::sched::{CloneFlags, unshare};
+use nix::sys::resource::{UsageWho, getrusage};
 
 fn env(name: &str, default: usize) -> usize {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
@@ -69,22 +73,19 @@ fn main() {
         full.restore.lines().count()
     );
 
-    // The exact input a cold full sync sends (captured with the recording fake).
-    let mut fake = IptablesProxier::new(Fake::default(), opts());
-    fake.sync(&state).expect("fake sync");
-    let input = fake.iptables().replaces.first().cloned().unwrap_or_default();
+    // The floor: the whole rendered ruleset in one flush-mode `iptables-restore`, the fastest
+    // way the stock tool loads it (the proxier sends the same rules in `--noflush` runs).
+    let input = full.restore;
 
-    // Floor and cold sync alternate, each in a fresh namespace; medians of `REPS` runs.
+    // Cold syncs first, each in a fresh namespace (the last one stays loaded for the partial
+    // syncs below), and the floor after everything of ours: the peak RSS of the children
+    // (`iptables-restore`, `iptables-save`) is read in between, before the floor's one large
+    // restore raises it. Medians of `REPS` runs.
     let reps = env("REPS", 3).max(1);
     let (mut floors, mut colds) = (Vec::new(), Vec::new());
     // The plain tools, the ones the floor runs (`iptables-restore`).
     let mut proxier = IptablesProxier::new(Exec::new(Backend::Plain, IpFamily::V4), opts());
     for _ in 0..reps {
-        fresh_namespace();
-        let t = Instant::now();
-        restore_flush(&input);
-        floors.push(t.elapsed());
-
         fresh_namespace();
         proxier = IptablesProxier::new(Exec::new(Backend::Plain, IpFamily::V4), opts());
         let t = Instant::now();
@@ -92,19 +93,12 @@ fn main() {
         colds.push(t.elapsed());
         assert!(report.full);
     }
-    floors.sort();
     colds.sort();
-    let (floor, cold) = (percentile(&floors, 0.5), percentile(&colds, 0.5));
+    let cold = percentile(&colds, 0.5);
     println!(
         "{:<48} {:>12}   (median of {reps})",
-        "iptables-restore alone, same input (floor)",
-        ms(floor)
-    );
-    println!(
-        "{:<48} {:>12}   (median of {reps}; {:.2}x the floor)",
         "cold full sync (render + apply)",
         ms(cold),
-        cold.as_secs_f64() / floor.as_secs_f64()
     );
 
     // A periodic full sync on the loaded table (forced).
@@ -181,6 +175,42 @@ fn main() {
         .filter(|l| l.starts_with(":KUBE-SEP-"))
         .count();
     assert_eq!(chains, services * endpoints, "every endpoint chain is in the kernel");
+    println!(
+        "{:<48} {:>8} MiB   (largest iptables-restore/-save of all the syncs above)",
+        "peak RSS of one child",
+        children_peak_mib()
+    );
+    println!(
+        "{:<48} {:>8} MiB",
+        "peak RSS of this process (model, proxier, bench)",
+        own_peak_mib()
+    );
+
+    for _ in 0..reps {
+        fresh_namespace();
+        let t = Instant::now();
+        restore_flush(&input);
+        floors.push(t.elapsed());
+    }
+    floors.sort();
+    let floor = percentile(&floors, 0.5);
+    println!(
+        "{:<48} {:>12}   (median of {reps}; cold sync {:.2}x; peak RSS {} MiB)",
+        "iptables-restore alone, whole input (floor)",
+        ms(floor),
+        cold.as_secs_f64() / floor.as_secs_f64(),
+        children_peak_mib()
+    );
+}
+
+/// The largest peak RSS of a child waited for so far (`RUSAGE_CHILDREN`), in MiB.
+fn children_peak_mib() -> i64 {
+    getrusage(UsageWho::RUSAGE_CHILDREN).map_or(0, |u| u.max_rss() / 1024)
+}
+
+/// This process's peak RSS, in MiB.
+fn own_peak_mib() -> i64 {
+    getrusage(UsageWho::RUSAGE_SELF).map_or(0, |u| u.max_rss() / 1024)
 }
 
 fn version() -> String {
