@@ -610,25 +610,8 @@ pub fn cleanup<I: Iptables>(ipt: &mut I) -> Vec<String> {
             errors.push(e.to_string());
         }
     }
-    for (table, fixed) in [
-        (
-            "nat",
-            &[
-                KUBE_SERVICES, KUBE_NODEPORTS, KUBE_POSTROUTING, KUBE_MARK_MASQ, KUBE_PROXY_CANARY,
-            ][..],
-        ),
-        (
-            "filter",
-            &[
-                KUBE_SERVICES,
-                super::names::KUBE_EXTERNAL_SERVICES,
-                super::names::KUBE_FORWARD,
-                KUBE_NODEPORTS,
-                super::names::KUBE_PROXY_FIREWALL,
-                KUBE_PROXY_CANARY,
-            ][..],
-        ),
-    ] {
+    for table in ["nat", "filter"] {
+        let fixed = super::names::fixed_chains(table);
         let mut doomed: Vec<String> = Vec::new();
         let listed = ipt.save_each(table, &mut |line| {
             if let Some(c) = line.strip_prefix(':').and_then(|d| d.split_whitespace().next())
