@@ -64,8 +64,18 @@ fn main() {
     println!("{services} Services x {endpoints} endpoints, iptables {}", version());
     let state = synthetic::state(services, endpoints);
 
+    let mut json = serde_json::Map::new();
+    let mut record = |key: &str, value: serde_json::Value| {
+        json.insert(key.to_string(), value);
+    };
+    record("bench", "sync".into());
+    record("services", services.into());
+    record("endpoints", endpoints.into());
+    record("iptables", version().into());
+    record("load_average_start", load_average().into());
     let t = Instant::now();
     let full = render(&state, &opts());
+    record("render_ms", millis(t.elapsed()));
     println!(
         "{:<48} {:>12}   ({} lines)",
         "full render",
@@ -95,6 +105,7 @@ fn main() {
     }
     colds.sort();
     let cold = percentile(&colds, 0.5);
+    record("cold_sync_ms", millis(cold));
     println!(
         "{:<48} {:>12}   (median of {reps})",
         "cold full sync (render + apply)",
@@ -105,6 +116,7 @@ fn main() {
     proxier.force_full_sync();
     let t = Instant::now();
     proxier.sync(&state).expect("full re-sync");
+    record("full_resync_ms", millis(t.elapsed()));
     println!("{:<48} {:>12}", "full re-sync on the loaded table", ms(t.elapsed()));
 
     // One endpoint change at a time: Service k gets a new set of endpoint addresses.
@@ -130,6 +142,9 @@ fn main() {
     }
     times.sort();
     let change_p50 = percentile(&times, 0.5);
+    record("change_p50_ms", millis(change_p50));
+    record("change_p99_ms", millis(percentile(&times, 0.99)));
+    record("changes", changes.into());
     println!(
         "{:<48} {:>12}   p99 {}  (n = {changes})",
         "one endpoint change, partial sync p50",
@@ -158,6 +173,9 @@ fn main() {
     }
     zero_times.sort();
     let zero_p50 = percentile(&zero_times, 0.5);
+    record("zero_p50_ms", millis(zero_p50));
+    record("zero_p99_ms", millis(percentile(&zero_times, 0.99)));
+    record("zero_changes", zero_times.len().into());
     println!(
         "{:<48} {:>12}   p99 {}  (n = {}; {:.2}x one endpoint change)",
         "to zero endpoints or back, partial sync p50",
@@ -175,6 +193,8 @@ fn main() {
         .filter(|l| l.starts_with(":KUBE-SEP-"))
         .count();
     assert_eq!(chains, services * endpoints, "every endpoint chain is in the kernel");
+    record("child_peak_mib", children_peak_mib().into());
+    record("own_peak_mib", own_peak_mib().into());
     println!(
         "{:<48} {:>8} MiB   (largest iptables-restore/-save of all the syncs above)",
         "peak RSS of one child",
@@ -194,6 +214,10 @@ fn main() {
     }
     floors.sort();
     let floor = percentile(&floors, 0.5);
+    record("floor_ms", millis(floor));
+    record("floor_peak_mib", children_peak_mib().into());
+    record("reps", reps.into());
+    record("load_average_end", load_average().into());
     println!(
         "{:<48} {:>12}   (median of {reps}; cold sync {:.2}x; peak RSS {} MiB)",
         "iptables-restore alone, whole input (floor)",
@@ -201,6 +225,25 @@ fn main() {
         cold.as_secs_f64() / floor.as_secs_f64(),
         children_peak_mib()
     );
+    // `BENCH_JSON=PATH`: the figures as one JSON object (what `benches/report.py` reads).
+    if let Ok(path) = std::env::var("BENCH_JSON") {
+        let text = serde_json::to_string_pretty(&serde_json::Value::Object(json)).expect("JSON");
+        std::fs::write(&path, text + "\n").unwrap_or_else(|e| panic!("writing {path}: {e}"));
+        println!("figures written to {path}");
+    }
+}
+
+/// A duration in milliseconds, to 0.1 ms.
+fn millis(d: Duration) -> serde_json::Value {
+    ((d.as_secs_f64() * 10_000.0).round() / 10.0).into()
+}
+
+/// The 1-minute load average (`/proc/loadavg`): how busy the machine was.
+fn load_average() -> f64 {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|l| l.split_whitespace().next().and_then(|v| v.parse().ok()))
+        .unwrap_or(0.0)
 }
 
 /// The largest peak RSS of a child waited for so far (`RUSAGE_CHILDREN`), in MiB.
