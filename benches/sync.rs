@@ -2,13 +2,16 @@
 //! (`unshare(CLONE_NEWNET)`), so nothing touches the machine's rules. For 10,000 Services × 10
 //! endpoints (or `SERVICES`/`ENDPOINTS` from the environment) it reports:
 //! - full render (model → restore input);
-//! - `iptables-restore` alone on the same input in a fresh namespace (the kernel's floor);
 //! - a cold full sync by the proxier (empty namespace → every rule live);
 //! - a periodic full re-sync on the loaded table;
 //! - one endpoint change made live by a partial sync, p50/p99 over `CHANGES` (default 100);
 //! - a Service losing its last endpoint and getting it back (each a partial sync that edits
 //!   one KUBE-SERVICES rule in place), p50/p99 over `ZEROS` (default 20) round trips, and
-//!   its ratio to one endpoint change.
+//!   its ratio to one endpoint change;
+//! - the peak RSS of the largest `iptables-restore`/`iptables-save` child of all those syncs,
+//!   and of this process;
+//! - last, `iptables-restore` alone on the whole rendered input in one flush-mode run, in a
+//!   fresh namespace (the stock tool's floor), with its own peak RSS.
 //!
 //! Run with `cargo bench --bench sync` (as root); `REPS` (default 3) sets the repetitions of
 //! the floor and the cold sync.
@@ -19,12 +22,13 @@ use std::time::{Duration, Instant};
 
 use kube_proxy::config::LocalDetector;
 use kube_proxy::iptables::backend::Backend;
-use kube_proxy::iptables::exec::{Exec, Fake};
+use kube_proxy::iptables::exec::Exec;
 use kube_proxy::iptables::proxier::IptablesProxier;
 use kube_proxy::iptables::{IptablesRenderOptions, render};
 use kube_proxy::model::{IpFamily, synthetic};
 use kube_proxy::proxy::RenderOptions;
 use nix::sched::{CloneFlags, unshare};
+use nix::sys::resource::{UsageWho, getrusage};
 
 fn env(name: &str, default: usize) -> usize {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
@@ -60,8 +64,18 @@ fn main() {
     println!("{services} Services x {endpoints} endpoints, iptables {}", version());
     let state = synthetic::state(services, endpoints);
 
+    let mut json = serde_json::Map::new();
+    let mut record = |key: &str, value: serde_json::Value| {
+        json.insert(key.to_string(), value);
+    };
+    record("bench", "sync".into());
+    record("services", services.into());
+    record("endpoints", endpoints.into());
+    record("iptables", version().into());
+    record("load_average_start", load_average().into());
     let t = Instant::now();
     let full = render(&state, &opts());
+    record("render_ms", millis(t.elapsed()));
     println!(
         "{:<48} {:>12}   ({} lines)",
         "full render",
@@ -69,22 +83,19 @@ fn main() {
         full.restore.lines().count()
     );
 
-    // The exact input a cold full sync sends (captured with the recording fake).
-    let mut fake = IptablesProxier::new(Fake::default(), opts());
-    fake.sync(&state).expect("fake sync");
-    let input = fake.iptables().replaces.first().cloned().unwrap_or_default();
+    // The floor: the whole rendered ruleset in one flush-mode `iptables-restore`, the fastest
+    // way the stock tool loads it (the proxier sends the same rules in `--noflush` runs).
+    let input = full.restore;
 
-    // Floor and cold sync alternate, each in a fresh namespace; medians of `REPS` runs.
+    // Cold syncs first, each in a fresh namespace (the last one stays loaded for the partial
+    // syncs below), and the floor after everything of ours: the peak RSS of the children
+    // (`iptables-restore`, `iptables-save`) is read in between, before the floor's one large
+    // restore raises it. Medians of `REPS` runs.
     let reps = env("REPS", 3).max(1);
     let (mut floors, mut colds) = (Vec::new(), Vec::new());
     // The plain tools, the ones the floor runs (`iptables-restore`).
     let mut proxier = IptablesProxier::new(Exec::new(Backend::Plain, IpFamily::V4), opts());
     for _ in 0..reps {
-        fresh_namespace();
-        let t = Instant::now();
-        restore_flush(&input);
-        floors.push(t.elapsed());
-
         fresh_namespace();
         proxier = IptablesProxier::new(Exec::new(Backend::Plain, IpFamily::V4), opts());
         let t = Instant::now();
@@ -92,25 +103,20 @@ fn main() {
         colds.push(t.elapsed());
         assert!(report.full);
     }
-    floors.sort();
     colds.sort();
-    let (floor, cold) = (percentile(&floors, 0.5), percentile(&colds, 0.5));
+    let cold = percentile(&colds, 0.5);
+    record("cold_sync_ms", millis(cold));
     println!(
         "{:<48} {:>12}   (median of {reps})",
-        "iptables-restore alone, same input (floor)",
-        ms(floor)
-    );
-    println!(
-        "{:<48} {:>12}   (median of {reps}; {:.2}x the floor)",
         "cold full sync (render + apply)",
         ms(cold),
-        cold.as_secs_f64() / floor.as_secs_f64()
     );
 
     // A periodic full sync on the loaded table (forced).
     proxier.force_full_sync();
     let t = Instant::now();
     proxier.sync(&state).expect("full re-sync");
+    record("full_resync_ms", millis(t.elapsed()));
     println!("{:<48} {:>12}", "full re-sync on the loaded table", ms(t.elapsed()));
 
     // One endpoint change at a time: Service k gets a new set of endpoint addresses.
@@ -136,6 +142,9 @@ fn main() {
     }
     times.sort();
     let change_p50 = percentile(&times, 0.5);
+    record("change_p50_ms", millis(change_p50));
+    record("change_p99_ms", millis(percentile(&times, 0.99)));
+    record("changes", changes.into());
     println!(
         "{:<48} {:>12}   p99 {}  (n = {changes})",
         "one endpoint change, partial sync p50",
@@ -164,6 +173,9 @@ fn main() {
     }
     zero_times.sort();
     let zero_p50 = percentile(&zero_times, 0.5);
+    record("zero_p50_ms", millis(zero_p50));
+    record("zero_p99_ms", millis(percentile(&zero_times, 0.99)));
+    record("zero_changes", zero_times.len().into());
     println!(
         "{:<48} {:>12}   p99 {}  (n = {}; {:.2}x one endpoint change)",
         "to zero endpoints or back, partial sync p50",
@@ -181,6 +193,67 @@ fn main() {
         .filter(|l| l.starts_with(":KUBE-SEP-"))
         .count();
     assert_eq!(chains, services * endpoints, "every endpoint chain is in the kernel");
+    record("child_peak_mib", children_peak_mib().into());
+    record("own_peak_mib", own_peak_mib().into());
+    println!(
+        "{:<48} {:>8} MiB   (largest iptables-restore/-save of all the syncs above)",
+        "peak RSS of one child",
+        children_peak_mib()
+    );
+    println!(
+        "{:<48} {:>8} MiB",
+        "peak RSS of this process (model, proxier, bench)",
+        own_peak_mib()
+    );
+
+    for _ in 0..reps {
+        fresh_namespace();
+        let t = Instant::now();
+        restore_flush(&input);
+        floors.push(t.elapsed());
+    }
+    floors.sort();
+    let floor = percentile(&floors, 0.5);
+    record("floor_ms", millis(floor));
+    record("floor_peak_mib", children_peak_mib().into());
+    record("reps", reps.into());
+    record("load_average_end", load_average().into());
+    println!(
+        "{:<48} {:>12}   (median of {reps}; cold sync {:.2}x; peak RSS {} MiB)",
+        "iptables-restore alone, whole input (floor)",
+        ms(floor),
+        cold.as_secs_f64() / floor.as_secs_f64(),
+        children_peak_mib()
+    );
+    // `BENCH_JSON=PATH`: the figures as one JSON object (what `benches/report.py` reads).
+    if let Ok(path) = std::env::var("BENCH_JSON") {
+        let text = serde_json::to_string_pretty(&serde_json::Value::Object(json)).expect("JSON");
+        std::fs::write(&path, text + "\n").unwrap_or_else(|e| panic!("writing {path}: {e}"));
+        println!("figures written to {path}");
+    }
+}
+
+/// A duration in milliseconds, to 0.1 ms.
+fn millis(d: Duration) -> serde_json::Value {
+    ((d.as_secs_f64() * 10_000.0).round() / 10.0).into()
+}
+
+/// The 1-minute load average (`/proc/loadavg`): how busy the machine was.
+fn load_average() -> f64 {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|l| l.split_whitespace().next().and_then(|v| v.parse().ok()))
+        .unwrap_or(0.0)
+}
+
+/// The largest peak RSS of a child waited for so far (`RUSAGE_CHILDREN`), in MiB.
+fn children_peak_mib() -> i64 {
+    getrusage(UsageWho::RUSAGE_CHILDREN).map_or(0, |u| u.max_rss() / 1024)
+}
+
+/// This process's peak RSS, in MiB.
+fn own_peak_mib() -> i64 {
+    getrusage(UsageWho::RUSAGE_SELF).map_or(0, |u| u.max_rss() / 1024)
 }
 
 fn version() -> String {

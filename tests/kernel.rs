@@ -136,18 +136,35 @@ fn kernel_accepts_every_config_variant() {
     }
 }
 
-/// The chains KUBE-SERVICES and KUBE-NODEPORTS as `iptables-save` lists them.
+/// The rules of KUBE-SERVICES and KUBE-NODEPORTS as `iptables-save` lists them, each chain's
+/// sorted but for the NodePort rule, which must be the last of KUBE-SERVICES (checked): partial
+/// syncs insert at the top, and no other order is visible to a packet (each of those rules
+/// matches its own protocol, address and port).
 fn fixed_chains(saved: &str) -> Vec<String> {
-    saved
-        .lines()
-        .filter(|l| l.starts_with("-A KUBE-SERVICES ") || l.starts_with("-A KUBE-NODEPORTS "))
-        .map(str::to_string)
-        .collect()
+    let mut out = Vec::new();
+    for chain in ["KUBE-SERVICES", "KUBE-NODEPORTS"] {
+        let prefix = format!("-A {chain} ");
+        let mut rules: Vec<String> = saved
+            .lines()
+            .filter(|l| l.starts_with(&prefix))
+            .map(str::to_string)
+            .collect();
+        let tail = rules.iter().position(|r| r.ends_with("-j KUBE-NODEPORTS"));
+        let tail = tail.map(|i| {
+            assert_eq!(i, rules.len() - 1, "the NodePort rule is the last:\n{saved}");
+            rules.remove(i)
+        });
+        rules.sort();
+        out.extend(rules);
+        out.extend(tail);
+    }
+    out
 }
 
 /// Partial syncs edit KUBE-SERVICES in place (`-D`/`-I`) when a Service gains or loses its
 /// last endpoint or comes and goes: the kernel accepts the edits, and after each sync the
-/// chains hold what a full render of the same state gives in a fresh namespace, in order.
+/// chains hold what a full render of the same state gives in a fresh namespace (the same
+/// rules, the NodePort rule last).
 fn partial_syncs_edit_kube_services_in_place_as_a_full_render_would_write_it() {
     use kube_proxy::iptables::backend::Backend;
     use kube_proxy::iptables::exec::{Exec, Iptables};

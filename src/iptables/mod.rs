@@ -3,13 +3,14 @@
 //! tools program.
 
 pub mod backend;
+pub mod batch;
+pub mod edits;
 pub mod exec;
 pub mod names;
 pub mod nfacct;
 pub mod proxier;
 pub mod readback;
 pub mod render;
-pub mod replace;
 pub mod trace;
 
 pub use render::{IptablesRenderOptions, render};

@@ -77,6 +77,19 @@ pub fn is_service_chain(chain: &str) -> bool {
         .any(|p| chain.starts_with(p))
 }
 
+/// The fixed chains kube-proxy owns in `table` (KUBE-FIREWALL is kubelet's unless we render it).
+pub fn fixed_chains(table: &str) -> &'static [&'static str] {
+    match table {
+        "nat" => &[
+            KUBE_SERVICES, KUBE_NODEPORTS, KUBE_POSTROUTING, KUBE_MARK_MASQ, KUBE_PROXY_CANARY,
+        ],
+        "filter" => &[
+            KUBE_SERVICES, KUBE_EXTERNAL_SERVICES, KUBE_FORWARD, KUBE_NODEPORTS, KUBE_PROXY_FIREWALL, KUBE_PROXY_CANARY,
+        ],
+        _ => &[KUBE_PROXY_CANARY],
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,41 +1,56 @@
 //! The iptables proxier: keeps one family's kernel rules equal to the model. A full sync
 //! (at start, after a failure, when the rendering context or the canaries change, and every
-//! [`FULL_SYNC_PERIOD`], which the daemon schedules) writes every chain and deletes stale ones found with `iptables-save`; a
-//! partial sync rewrites only the chains of service ports whose state changed, plus the fixed
-//! chains whose content changed, and deletes the chains it stopped using.
+//! [`FULL_SYNC_PERIOD`], which the daemon schedules) writes every chain and deletes stale ones
+//! found with `iptables-save`; a partial sync rewrites only the chains of service ports whose
+//! state changed, edits the fixed chains whose content changed, and deletes the chains it
+//! stopped using.
+//!
+//! Every sync is `iptables-restore --noflush` input, written in runs (see [`super::batch`]),
+//! in an order that never leaves a Service without the path it had:
+//! 1. nat: (full syncs) KUBE-POSTROUTING and KUBE-MARK-MASQ; then each changed Service's own
+//!    chains, each flushed and refilled in one commit — a Service whose chains already exist
+//!    goes from its old rules to its new ones at once;
+//! 2. nat: what KUBE-SERVICES and KUBE-NODEPORTS gain (the jumps to the chains of step 1, see
+//!    [`super::edits`]);
+//! 3. filter, written whole when it changed (it is small: only Services without (local)
+//!    endpoints, firewalls and health checks add to it);
+//! 4. nat: what KUBE-SERVICES and KUBE-NODEPORTS lose, then the chains no longer used
+//!    (flushed, then deleted).
+//!
+//! So a Service that gains its first endpoint has its DNAT (2) before its REJECT goes (3), and
+//! one that loses its last has its REJECT (3) before its DNAT goes (4): iptables-restore
+//! commits each table on its own, and a SYN between the two would be forwarded un-NATed (see
+//! PITFALLS). A chain written whole (a Service claimed twice, many deletions) goes in step 2
+//! when some Service gained endpoints, else in step 4.
 //!
 //! Partial syncs skip unchanged fixed chains, where upstream rewrites them every time: with
 //! iptables-nft each rewritten jump rule costs a scan of every chain, so rewriting
 //! KUBE-SERVICES dominates an endpoint change at 10k Services (see the README's figures).
+//!
+//! Memory: what a Service renders is kept only as far as later syncs compare it (its lines in
+//! the fixed chains, its chain names); the rules of its own chains are written when rendered
+//! and dropped, and the nat table is read back line by line, never whole.
 
 use std::collections::{HashMap, HashSet};
-use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::batch::Batches;
+use super::edits::{ChainWrite, Edits, contested, diff_saved};
 use super::exec::{ExecError, Iptables};
 use super::names::{
     KUBE_MARK_MASQ, KUBE_NODEPORTS, KUBE_POSTROUTING, KUBE_PROXY_CANARY, KUBE_SERVICES, is_service_chain,
 };
 use super::render::{
-    IptablesRenderOptions, RenderContext, ServiceFragment, filter_section, jump_rules, masquerade_rules, nat_section,
+    IptablesRenderOptions, RenderContext, ServiceFragment, filter_section, jump_rules, masquerade_rules,
     nodeports_tail, render_service,
 };
-use super::replace::merge_table;
 use crate::config::ProxyMode;
 use crate::model::{IpFamily, ProxyState, ServicePort, ServicePortName, ServicePortState};
-use crate::proxy::{
-    self, Programmed, Proxier, ReadBackError, SyncContext, SyncReport, TableRules, restore_operations, rules_written,
-};
+use crate::proxy::{self, Programmed, Proxier, ReadBackError, SyncContext, SyncReport, TableRules};
 
 /// Upstream's `FullSyncPeriod`: a full sync at least this often.
 pub const FULL_SYNC_PERIOD: Duration = Duration::from_secs(3600);
-
-/// A full sync that declares more chains than this replaces the nat and filter tables in one
-/// flush-mode restore (keeping other components' rules, see [`super::replace`]) instead of
-/// `--noflush`, whose cost grows with chains² in iptables-nft (1.1 s at 5.5k chains, > 300 s at
-/// 110k, against 0.2 s and 10 s in flush mode).
-pub const REPLACE_TABLES_ABOVE_CHAINS: usize = 2000;
 
 /// Tables that hold a canary chain (upstream's `ipt.Monitor`).
 pub const CANARY_TABLES: [&str; 3] = ["mangle", "nat", "filter"];
@@ -52,10 +67,12 @@ pub enum SyncError {
 
 struct CachedService {
     state: Arc<ServicePortState>,
+    /// Its rendering, without the rules of its own chains (`chain_rules` is empty).
     fragment: ServiceFragment,
+    /// How many rules its own chains hold.
+    chain_rules: usize,
 }
 
-/// What is in the kernel after the last successful sync.
 /// What is in the kernel after the last successful sync, besides the per-service fragments.
 struct Applied {
     ctx: RenderContext,
@@ -133,116 +150,101 @@ impl<I: Iptables> IptablesProxier<I> {
             full,
             ..SyncReport::default()
         };
-        let chain_count: usize = state.service_ports.iter().map(|s| s.endpoints.len() + 1).sum();
-        let by_replacing = full && chain_count > REPLACE_TABLES_ABOVE_CHAINS;
-        if full && !by_replacing {
+        let prev = if full { None } else { self.applied.take() };
+        let listed = if full {
             self.ensure_setup().map_err(SyncError::Setup)?;
-        }
+            Some(Listed::read(&mut self.ipt).map_err(SyncError::Save)?)
+        } else {
+            None
+        };
+        // A full sync into a chain without rules appends, Service by Service.
+        let append = Append {
+            services: listed.as_ref().is_some_and(|l| l.services.is_empty()),
+            nodeports: listed.as_ref().is_some_and(|l| l.nodeports.is_empty()),
+        };
+        let mut b = Batches::new(&mut self.ipt);
 
+        // 1. KUBE-POSTROUTING, KUBE-MARK-MASQ and the changed Services' own chains.
+        if full {
+            for c in [KUBE_POSTROUTING, KUBE_MARK_MASQ] {
+                b.line(&format!(":{c} - [0:0]"));
+            }
+            if append.nodeports {
+                b.line(&format!(":{KUBE_NODEPORTS} - [0:0]"));
+            }
+            b.lines(&masquerade_rules(&ctx));
+            b.end_unit().map_err(SyncError::Restore)?;
+        }
         let mut changes = Changes::default();
-        let order = self.render_service_ports(state, &ctx, full, &mut changes, &mut report);
-        report.rewritten_services = order.iter().filter(|(_, changed)| *changed).count();
-        let fragments: Vec<(&ServiceFragment, bool)> = order
+        write_service_ports(
+            &mut self.services, state, &ctx, full, append, &mut changes, &mut report, &mut b,
+        )
+        .map_err(SyncError::Restore)?;
+        let fragments: Vec<&ServiceFragment> = state
+            .service_ports
             .iter()
-            .map(|(k, changed)| (&self.services[*k].fragment, *changed))
+            .filter_map(|sps| self.services.get(&sps.port.name).map(|c| &c.fragment))
             .collect();
 
-        let prev = if full { None } else { self.applied.take() };
-        let write = Writes {
-            filter: prev.is_none() || changes.filter_changed,
-            services: Write::of(prev.is_none(), changes.services_changed, &changes.services_edits),
-            nodeports: Write::of(prev.is_none(), changes.nodeports_changed, &changes.nodeports_edits),
-            masquerade: prev.is_none(),
-        };
-        let filter = if write.filter {
-            filter_section(&ctx, fragments.iter().map(|(f, _)| *f))
+        // 2–4. The fixed chains, filter, and what goes.
+        let tail = nodeports_tail(&ctx);
+        let services = plan_chain(
+            listed.as_ref().map(|l| l.services.as_slice()),
+            append.services,
+            &changes.services_edits,
+            changes.services_changed,
+            &fragments,
+            |f| &f.services_rules,
+            &tail,
+        );
+        let nodeports = plan_chain(
+            listed.as_ref().map(|l| l.nodeports.as_slice()),
+            append.nodeports,
+            &changes.nodeports_edits,
+            changes.nodeports_changed,
+            &fragments,
+            |f| &f.nodeports_rules,
+            "",
+        );
+        let filter = if prev.is_none() || changes.filter_changed {
+            Some(filter_section(&ctx, fragments.iter().copied()))
         } else {
-            prev.as_ref().map(|a| a.filter.clone()).unwrap_or_default()
+            None
         };
-        let masquerade = masquerade_rules(&ctx);
-
-        if by_replacing {
-            let (report, applied) = replace_tables(
-                &mut self.ipt, &ctx, &filter, &masquerade, &fragments, changes.gained_endpoints, report,
-            )?;
-            self.applied = Some(applied);
-            return Ok(report);
-        }
-
-        let mut stale = std::mem::take(&mut changes.stale);
-        // On a full sync, delete whatever the kernel has that we do not use (rules left by an
-        // earlier run, ours or upstream's).
-        if prev.is_none() {
-            let saved = self.ipt.save("nat").map_err(SyncError::Save)?;
-            stale = unused_service_chains(&saved, &fragments);
-        }
+        let mut stale = match &listed {
+            Some(l) => {
+                let active: HashSet<&str> = fragments
+                    .iter()
+                    .flat_map(|f| f.chains.iter().map(String::as_str))
+                    .collect();
+                l.service_chains
+                    .iter()
+                    .filter(|c| !active.contains(c.as_str()))
+                    .cloned()
+                    .collect()
+            }
+            None => std::mem::take(&mut changes.stale),
+        };
         stale.sort();
         stale.dedup();
         report.removed_objects = stale.len();
-
-        let nat_section = noflush_nat_section(&ctx, &fragments, &write, &changes, &masquerade, &stale);
-        let filter_section = if write.filter { filter.as_str() } else { "" };
-        // iptables-restore commits each table on its own. A Service that gains endpoints must
-        // get its DNAT before its REJECT goes, and one that loses them its REJECT before its
-        // DNAT goes (see PITFALLS: a SYN in between is forwarded un-NATed).
-        let input = if changes.gained_endpoints {
-            format!("{nat_section}{filter_section}")
-        } else {
-            format!("{filter_section}{nat_section}")
+        let fixed = FixedWrites {
+            services,
+            nodeports,
+            tail: &tail,
+            whole_first: changes.gained_endpoints,
         };
-        if !input.is_empty() {
-            self.ipt.restore(&input).map_err(SyncError::Restore)?;
-        }
-        report.operations = restore_operations(&input);
-        report.tables = rules_written(&input);
+        write_fixed_and_filter(&mut b, &fixed, &fragments, filter.as_deref(), &stale).map_err(SyncError::Restore)?;
+        let b = b.finish().map_err(SyncError::Restore)?;
+        report.operations = b.operations;
+        report.tables = b.tables;
+        let filter = match (filter, prev) {
+            (Some(f), _) => f,
+            (None, Some(p)) => p.filter,
+            (None, None) => String::new(),
+        };
         self.applied = Some(Applied { ctx, filter });
         Ok(report)
-    }
-
-    /// Renders what changed (everything on a full sync) into the cache, noting in `changes`
-    /// what that means for the fixed chains. The work is proportional to the number of
-    /// changed service ports, except for cheap comparisons of the others. Returns every
-    /// service port in order, with whether its chains are to be rewritten.
-    fn render_service_ports<'s>(
-        &mut self,
-        state: &'s ProxyState,
-        ctx: &RenderContext,
-        full: bool,
-        changes: &mut Changes,
-        report: &mut SyncReport,
-    ) -> Vec<(&'s ServicePortName, bool)> {
-        let mut old = std::mem::take(&mut self.services);
-        let mut order: Vec<(&ServicePortName, bool)> = Vec::with_capacity(state.service_ports.len());
-        for sps in &state.service_ports {
-            let key = &sps.port.name;
-            let previous = old.remove(key);
-            let reuse = !full && previous.as_ref().is_some_and(|p| p.state == *sps);
-            let cached = match previous {
-                Some(p) if reuse => p,
-                previous => {
-                    let fragment = render_service(sps, ctx);
-                    match &previous {
-                        Some(p) => {
-                            report.udp_endpoints_removed |= p.state.loses_udp_endpoints_to(sps);
-                            changes.replaced(&p.fragment, &fragment);
-                        }
-                        None => changes.added(&fragment),
-                    }
-                    CachedService {
-                        state: sps.clone(),
-                        fragment,
-                    }
-                }
-            };
-            order.push((key, !reuse));
-            self.services.insert(key.clone(), cached);
-        }
-        // Service ports that are gone.
-        for gone in old.values() {
-            report.udp_endpoints_removed |= gone.state.port.protocol == crate::model::Protocol::Udp;
-            changes.removed(&gone.fragment);
-        }
-        order
     }
 
     /// The rules we own in filter and nat after a successful sync, with what `written` says
@@ -257,10 +259,7 @@ impl<I: Iptables> IptablesProxier<I> {
             + self
                 .services
                 .values()
-                .map(|c| {
-                    let f = &c.fragment;
-                    count(&f.services_rules) + count(&f.nodeports_rules) + count(&f.chain_rules)
-                })
+                .map(|c| count(&c.fragment.services_rules) + count(&c.fragment.nodeports_rules) + c.chain_rules)
                 .sum::<usize>();
         let owned = [("filter", count(&applied.filter)), ("nat", nat)];
         owned
@@ -286,6 +285,241 @@ impl<I: Iptables> IptablesProxier<I> {
         }
         Ok(())
     }
+}
+
+/// What a full sync reads of the nat table (`iptables-save -t nat`, line by line): the
+/// per-service chains there, and the rules of KUBE-SERVICES and KUBE-NODEPORTS.
+#[derive(Default)]
+struct Listed {
+    service_chains: Vec<String>,
+    services: Vec<String>,
+    nodeports: Vec<String>,
+}
+
+impl Listed {
+    fn read<I: Iptables + ?Sized>(ipt: &mut I) -> Result<Listed, ExecError> {
+        let mut l = Listed::default();
+        let services = format!("-A {KUBE_SERVICES} ");
+        let nodeports = format!("-A {KUBE_NODEPORTS} ");
+        ipt.save_each("nat", &mut |line| {
+            if let Some(decl) = line.strip_prefix(':') {
+                let chain = decl.split_whitespace().next().unwrap_or("");
+                if is_service_chain(chain) {
+                    l.service_chains.push(chain.to_string());
+                }
+            } else if line.starts_with(&services) {
+                l.services.push(line.to_string());
+            } else if line.starts_with(&nodeports) {
+                l.nodeports.push(line.to_string());
+            }
+        })?;
+        Ok(l)
+    }
+}
+
+/// Which fixed chains a full sync fills by appending (they hold no rule yet).
+#[derive(Clone, Copy, Default)]
+struct Append {
+    services: bool,
+    nodeports: bool,
+}
+
+/// Renders what changed (everything on a full sync) into `cache`, writing each changed
+/// Service's chains as one unit (with its lines of the fixed chains it appends to) and noting
+/// in `changes` what that means for the fixed chains. The work is proportional to the number
+/// of changed service ports, except for cheap comparisons of the others.
+#[allow(clippy::too_many_arguments)]
+fn write_service_ports<I: Iptables + ?Sized>(
+    cache: &mut HashMap<ServicePortName, CachedService>,
+    state: &ProxyState,
+    ctx: &RenderContext,
+    full: bool,
+    append: Append,
+    changes: &mut Changes,
+    report: &mut SyncReport,
+    b: &mut Batches<'_, I>,
+) -> Result<(), ExecError> {
+    let mut old = std::mem::take(cache);
+    for sps in &state.service_ports {
+        let key = &sps.port.name;
+        let previous = old.remove(key);
+        let unchanged = !full && previous.as_ref().is_some_and(|p| p.state == *sps);
+        if unchanged && let Some(p) = previous {
+            cache.insert(key.clone(), p);
+            continue;
+        }
+        let mut fragment = render_service(sps, ctx);
+        match &previous {
+            Some(p) => {
+                report.udp_endpoints_removed |= p.state.loses_udp_endpoints_to(sps);
+                changes.replaced(&p.fragment, &fragment);
+            }
+            None => changes.added(&fragment),
+        }
+        for c in &fragment.chains {
+            b.line(&format!(":{c} - [0:0]"));
+        }
+        b.lines(&fragment.chain_rules);
+        if append.services {
+            b.lines(&fragment.services_rules);
+        }
+        if append.nodeports {
+            b.lines(&fragment.nodeports_rules);
+        }
+        b.end_unit()?;
+        report.rewritten_services += 1;
+        let chain_rules = fragment.chain_rules.lines().count();
+        fragment.chain_rules = String::new();
+        cache.insert(
+            key.clone(),
+            CachedService {
+                state: sps.clone(),
+                fragment,
+                chain_rules,
+            },
+        );
+    }
+    // Service ports that are gone.
+    for gone in old.values() {
+        report.udp_endpoints_removed |= gone.state.port.protocol == crate::model::Protocol::Udp;
+        changes.removed(&gone.fragment);
+    }
+    Ok(())
+}
+
+/// How a sync writes KUBE-SERVICES (`tail`: its last rule) or KUBE-NODEPORTS (no tail):
+/// appended to with the Services on a full sync into an empty chain; on another full sync, the
+/// kernel's lines (`listed`) brought to the rendered ones; on a partial sync, the lines of the
+/// changed Services (`edits`) edited.
+fn plan_chain(
+    listed: Option<&[String]>,
+    append: bool,
+    edits: &LineEdits,
+    changed: bool,
+    fragments: &[&ServiceFragment],
+    lines_of: impl Fn(&ServiceFragment) -> &String,
+    tail: &str,
+) -> ChainWrite {
+    let contested = |near: &[String]| contested(fragments.iter().map(|f| lines_of(f).as_str()), near);
+    let wanted = || -> Vec<&str> {
+        fragments
+            .iter()
+            .flat_map(|f| lines_of(f).lines())
+            .chain(tail.lines())
+            .collect()
+    };
+    let edits = match listed {
+        Some(_) if append => return ChainWrite::Append,
+        Some(listed) => {
+            let e = diff_saved(listed, &wanted());
+            // The last rule cannot be inserted at the top.
+            if tail.lines().any(|t| e.new.iter().any(|n| n == t)) {
+                return ChainWrite::Whole;
+            }
+            e
+        }
+        None if !changed => return ChainWrite::No,
+        None => Edits {
+            gone: edits.gone.clone(),
+            new: wanted()
+                .into_iter()
+                .filter(|l| edits.new.contains(*l))
+                .map(str::to_string)
+                .collect(),
+        },
+    };
+    if edits.new.is_empty() {
+        return edits.into_write(&HashSet::new());
+    }
+    let contested = contested(&edits.new);
+    edits.into_write(&contested)
+}
+
+/// Steps 2–4 of a sync (see the module documentation).
+struct FixedWrites<'a> {
+    services: ChainWrite,
+    nodeports: ChainWrite,
+    /// The last rule of KUBE-SERVICES.
+    tail: &'a str,
+    /// A chain written whole goes before filter (some Service gained endpoints), not after.
+    whole_first: bool,
+}
+
+/// A Service's lines of one fixed chain.
+type LinesOf = fn(&ServiceFragment) -> &String;
+
+fn write_fixed_and_filter<I: Iptables + ?Sized>(
+    b: &mut Batches<'_, I>,
+    w: &FixedWrites<'_>,
+    fragments: &[&ServiceFragment],
+    filter: Option<&str>,
+    stale: &[String],
+) -> Result<(), ExecError> {
+    let chains: [(&str, &ChainWrite, LinesOf, &str); 2] = [
+        (KUBE_SERVICES, &w.services, |f| &f.services_rules, w.tail),
+        (KUBE_NODEPORTS, &w.nodeports, |f| &f.nodeports_rules, ""),
+    ];
+    let whole = |b: &mut Batches<'_, I>, chain: &str, lines_of: LinesOf, tail: &str| {
+        b.line(&format!(":{chain} - [0:0]"));
+        for f in fragments {
+            b.lines(lines_of(f));
+        }
+        b.lines(tail);
+        b.end_unit()
+    };
+    // 2. What the fixed chains gain.
+    b.section("nat");
+    for (chain, write, lines_of, tail) in chains {
+        match write {
+            ChainWrite::Append => {
+                b.lines(tail);
+                b.end_unit()?;
+            }
+            ChainWrite::InPlace(e) => {
+                for line in e.inserts() {
+                    b.line(&line);
+                    b.end_unit()?;
+                }
+            }
+            ChainWrite::Whole if w.whole_first => whole(b, chain, lines_of, tail)?,
+            ChainWrite::Whole | ChainWrite::No => {}
+        }
+    }
+    // 3. filter.
+    if let Some(filter) = filter {
+        b.section("filter");
+        b.lines(filter.trim_start_matches("*filter\n").trim_end_matches("COMMIT\n"));
+        b.end_unit()?;
+    }
+    // 4. What the fixed chains lose, and the chains no longer used: flushed first (they may
+    // jump to each other), then deleted.
+    b.section("nat");
+    for (chain, write, lines_of, tail) in chains {
+        match write {
+            ChainWrite::InPlace(e) => {
+                for line in e.deletes() {
+                    b.line(&line);
+                    b.end_unit()?;
+                }
+            }
+            ChainWrite::Whole if !w.whole_first => whole(b, chain, lines_of, tail)?,
+            _ => {}
+        }
+    }
+    delete_chains(b, stale)
+}
+
+/// Flushes `chains` (they may jump to each other), then deletes them, in the open table.
+fn delete_chains<I: Iptables + ?Sized>(b: &mut Batches<'_, I>, chains: &[String]) -> Result<(), ExecError> {
+    for c in chains {
+        b.line(&format!(":{c} - [0:0]"));
+        b.end_unit()?;
+    }
+    for c in chains {
+        b.line(&format!("-X {c}"));
+        b.end_unit()?;
+    }
+    Ok(())
 }
 
 /// What the service ports rendered in one sync change besides their own chains.
@@ -320,14 +554,7 @@ impl LineEdits {
         self.new
             .extend(new.lines().filter(|l| !old_lines.contains(l)).map(str::to_string));
     }
-
-    fn len(&self) -> usize {
-        self.gone.len() + self.new.len()
-    }
 }
-
-/// Above this many line edits a fixed chain is written whole rather than edited in place.
-const MAX_IN_PLACE_EDITS: usize = 64;
 
 impl Changes {
     /// A service port's fragment `old` was rendered again as `new`.
@@ -363,198 +590,6 @@ impl Changes {
     }
 }
 
-/// How a `--noflush` sync writes one fixed chain.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Write {
-    /// Not at all: unchanged.
-    No,
-    /// Declared (flushed) and written whole.
-    Whole,
-    /// Its changed lines only: `-D` of the lines that go, `-I` of the ones that come, at
-    /// their place. At 10k Services KUBE-SERVICES is 1.4 MB, and iptables-nft scans every
-    /// chain for each jump it reads: one rule instead of the chain when a Service gains or
-    /// loses its last endpoint.
-    InPlace,
-}
-
-impl Write {
-    /// Whole on a full sync, else in place when the edits are few.
-    fn of(full: bool, changed: bool, edits: &LineEdits) -> Write {
-        match (full, changed) {
-            (true, _) => Write::Whole,
-            (false, false) => Write::No,
-            (false, true) if edits.len() <= MAX_IN_PLACE_EDITS => Write::InPlace,
-            (false, true) => Write::Whole,
-        }
-    }
-}
-
-/// Which fixed parts a `--noflush` sync writes.
-struct Writes {
-    filter: bool,
-    /// nat KUBE-SERVICES (and, written whole, its NodePort tail).
-    services: Write,
-    /// nat KUBE-NODEPORTS.
-    nodeports: Write,
-    /// nat KUBE-POSTROUTING and KUBE-MARK-MASQ.
-    masquerade: bool,
-}
-
-/// The per-service chains in `iptables-save` output (`saved`) that no fragment uses.
-fn unused_service_chains(saved: &str, fragments: &[(&ServiceFragment, bool)]) -> Vec<String> {
-    let active: HashSet<&str> = fragments
-        .iter()
-        .flat_map(|(f, _)| f.chains.iter().map(String::as_str))
-        .collect();
-    existing_chains(saved)
-        .into_iter()
-        .filter(|c| is_service_chain(c) && !active.contains(c.as_str()))
-        .collect()
-}
-
-/// The `*nat` part of a `--noflush` restore: the fixed chains in `write`, the chains of the
-/// changed service ports, and the deletion of `stale` ones; empty when it declares nothing.
-fn noflush_nat_section(
-    ctx: &RenderContext,
-    fragments: &[(&ServiceFragment, bool)],
-    write: &Writes,
-    changes: &Changes,
-    masquerade: &str,
-    stale: &[String],
-) -> String {
-    let mut nat = String::new();
-    let mut declared = 0usize;
-    let mut declare = |nat: &mut String, c: &str| {
-        let _ = writeln!(nat, ":{c} - [0:0]");
-        declared += 1;
-    };
-    for (c, write) in [
-        (KUBE_SERVICES, write.services == Write::Whole),
-        (KUBE_NODEPORTS, write.nodeports == Write::Whole),
-        (KUBE_POSTROUTING, write.masquerade),
-        (KUBE_MARK_MASQ, write.masquerade),
-    ] {
-        if write {
-            declare(&mut nat, c);
-        }
-    }
-    for (f, changed) in fragments {
-        if *changed {
-            for c in &f.chains {
-                declare(&mut nat, c);
-            }
-        }
-    }
-    for c in stale {
-        declare(&mut nat, c);
-    }
-    let mut rules = String::new();
-    if write.masquerade {
-        rules.push_str(masquerade);
-    }
-    // In-place edits first: a jump that goes must go before its chain is deleted below.
-    let mut edited = 0usize;
-    if write.services == Write::InPlace {
-        edited += edit_in_place(&mut rules, KUBE_SERVICES, &changes.services_edits, fragments, |f| {
-            &f.services_rules
-        });
-    }
-    if write.nodeports == Write::InPlace {
-        edited += edit_in_place(&mut rules, KUBE_NODEPORTS, &changes.nodeports_edits, fragments, |f| {
-            &f.nodeports_rules
-        });
-    }
-    // Upstream's order: each service's KUBE-SERVICES and KUBE-NODEPORTS lines, then its chains.
-    for (f, changed) in fragments {
-        if write.services == Write::Whole {
-            rules.push_str(&f.services_rules);
-        }
-        if write.nodeports == Write::Whole {
-            rules.push_str(&f.nodeports_rules);
-        }
-        if *changed {
-            rules.push_str(&f.chain_rules);
-        }
-    }
-    if write.services == Write::Whole {
-        rules.push_str(&nodeports_tail(ctx));
-    }
-    for c in stale {
-        let _ = writeln!(rules, "-X {c}");
-    }
-    if declared > 0 || edited > 0 {
-        format!("*nat\n{nat}{rules}COMMIT\n")
-    } else {
-        String::new()
-    }
-}
-
-/// Appends the in-place edits of `chain`: `-D` of each line that goes, then `-I` of each line
-/// that comes at its place in the rendered order (positions ascending, so each lands where a
-/// full write would put it); the number of edits.
-fn edit_in_place(
-    rules: &mut String,
-    chain: &str,
-    edits: &LineEdits,
-    fragments: &[(&ServiceFragment, bool)],
-    lines_of: impl Fn(&ServiceFragment) -> &String,
-) -> usize {
-    let prefix = format!("-A {chain} ");
-    for line in &edits.gone {
-        if let Some(spec) = line.strip_prefix(&prefix) {
-            let _ = writeln!(rules, "-D {chain} {spec}");
-        }
-    }
-    let mut position = 0usize;
-    for (f, _) in fragments {
-        for line in lines_of(f).lines() {
-            position += 1;
-            if edits.new.contains(line)
-                && let Some(spec) = line.strip_prefix(&prefix)
-            {
-                let _ = writeln!(rules, "-I {chain} {position} {spec}");
-            }
-        }
-    }
-    edits.len()
-}
-
-/// A full sync by whole-table replacement (see [`REPLACE_TABLES_ABOVE_CHAINS`]).
-fn replace_tables<I: Iptables>(
-    ipt: &mut I,
-    ctx: &RenderContext,
-    filter: &str,
-    masquerade: &str,
-    fragments: &[(&ServiceFragment, bool)],
-    gained_endpoints: bool,
-    mut report: SyncReport,
-) -> Result<(SyncReport, Applied), SyncError> {
-    let nat = nat_section(ctx, masquerade, fragments.iter().map(|(f, _)| *f));
-    let jumps = jump_rules();
-    let saved_nat = ipt.save_counters("nat").map_err(SyncError::Save)?;
-    let saved_filter = ipt.save_counters("filter").map_err(SyncError::Save)?;
-    let nat = merge_table("nat", &saved_nat, &nat, &jumps);
-    let filter_merged = merge_table("filter", &saved_filter, filter, &jumps);
-    report.removed_objects = nat.dropped_service_chains;
-    let input = if gained_endpoints {
-        format!("{}{}", nat.text, filter_merged.text)
-    } else {
-        format!("{}{}", filter_merged.text, nat.text)
-    };
-    ipt.replace(&input).map_err(SyncError::Restore)?;
-    ipt.ensure_chain("mangle", KUBE_PROXY_CANARY)
-        .map_err(SyncError::Setup)?;
-    report.operations = restore_operations(&input);
-    report.tables = rules_written(&input);
-    Ok((
-        report,
-        Applied {
-            ctx: ctx.clone(),
-            filter: filter.to_string(),
-        },
-    ))
-}
-
 /// Chain names declared in `iptables-save` output.
 pub fn existing_chains(saved: &str) -> Vec<String> {
     saved
@@ -575,49 +610,23 @@ pub fn cleanup<I: Iptables>(ipt: &mut I) -> Vec<String> {
             errors.push(e.to_string());
         }
     }
-    for (table, fixed) in [
-        (
-            "nat",
-            &[
-                KUBE_SERVICES, KUBE_NODEPORTS, KUBE_POSTROUTING, KUBE_MARK_MASQ, KUBE_PROXY_CANARY,
-            ][..],
-        ),
-        (
-            "filter",
-            &[
-                KUBE_SERVICES,
-                super::names::KUBE_EXTERNAL_SERVICES,
-                super::names::KUBE_FORWARD,
-                KUBE_NODEPORTS,
-                super::names::KUBE_PROXY_FIREWALL,
-                KUBE_PROXY_CANARY,
-            ][..],
-        ),
-    ] {
-        let saved = match ipt.save(table) {
-            Ok(s) => s,
-            Err(e) => {
-                errors.push(e.to_string());
-                continue;
+    for table in ["nat", "filter"] {
+        let fixed = super::names::fixed_chains(table);
+        let mut doomed: Vec<String> = Vec::new();
+        let listed = ipt.save_each(table, &mut |line| {
+            if let Some(c) = line.strip_prefix(':').and_then(|d| d.split_whitespace().next())
+                && (fixed.contains(&c) || (table == "nat" && is_service_chain(c)))
+            {
+                doomed.push(c.to_string());
             }
-        };
-        let existing = existing_chains(&saved);
-        let doomed: Vec<&String> = existing
-            .iter()
-            .filter(|c| fixed.contains(&c.as_str()) || (table == "nat" && is_service_chain(c)))
-            .collect();
-        if doomed.is_empty() {
+        });
+        if let Err(e) = listed {
+            errors.push(e.to_string());
             continue;
         }
-        let mut input = format!("*{table}\n");
-        for c in &doomed {
-            let _ = writeln!(input, ":{c} - [0:0]");
-        }
-        for c in &doomed {
-            let _ = writeln!(input, "-X {c}");
-        }
-        input.push_str("COMMIT\n");
-        if let Err(e) = ipt.restore(&input) {
+        let mut b = Batches::new(ipt);
+        b.section(table);
+        if let Err(e) = delete_chains(&mut b, &doomed).and_then(|()| b.finish().map(drop)) {
             errors.push(e.to_string());
         }
     }
@@ -729,7 +738,7 @@ mod tests {
     }
 
     #[test]
-    fn first_sync_is_full_and_writes_what_render_writes() {
+    fn first_sync_is_full_and_leaves_what_render_writes() {
         let st = state(vec![
             port("a", 1, Protocol::Tcp, &[1, 2]),
             port("b", 2, Protocol::Tcp, &[]),
@@ -745,10 +754,16 @@ mod tests {
                 .any(|r| r.starts_with("nat/PREROUTING ") && r.ends_with("-j KUBE-SERVICES"))
         );
         assert_eq!(ipt.restores.len(), 1);
-        // Same text as `render` (tables in nat-first order because services gained endpoints).
-        let rendered = render(&st, &opts()).restore;
-        let (filter, nat) = rendered.split_at(rendered.find("*nat").unwrap());
-        assert_eq!(ipt.restores[0], format!("{nat}{filter}"));
+        let mut tables = Tables::default();
+        tables.apply(&ipt.restores[0]);
+        assert_eq!(tables, Tables::of(&render(&st, &opts()).restore), "in order");
+        // A Service's jump comes in the commit that creates its chains, after them.
+        let input = &ipt.restores[0];
+        let a = crate::iptables::names::service_port_chains("ns/a:p", "tcp").cluster;
+        assert!(
+            input.find(&format!(":{a} ")) < input.find(&format!("-j {a}")),
+            "{input}"
+        );
     }
 
     #[test]
@@ -836,8 +851,8 @@ mod tests {
             "not rewritten whole: {input}"
         );
         assert!(
-            input.contains("-I KUBE-SERVICES 2 -m comment --comment \"ns/b:p cluster IP\""),
-            "b's rule inserted after a's: {input}"
+            input.contains("-I KUBE-SERVICES 1 -m comment --comment \"ns/b:p cluster IP\""),
+            "b's rule inserted at the top: {input}"
         );
         assert!(input.starts_with("*nat"), "gaining endpoints: DNAT first: {input}");
         let none = state(vec![
@@ -861,11 +876,18 @@ mod tests {
 
     /// A model of the tables `iptables-restore --noflush` input builds: table → chain → rules
     /// (as `-A CHAIN …`), with the commands the proxier sends. Like the kernel it refuses a
-    /// `-D` of a rule that is not there and an `-I` past the end.
+    /// `-D` of a rule that is not there, an `-I` past the end, and a `-X` of a chain that holds
+    /// rules or that a rule jumps to.
     #[derive(Default, Debug, PartialEq)]
     struct Tables(std::collections::BTreeMap<String, std::collections::BTreeMap<String, Vec<String>>>);
 
     impl Tables {
+        fn of(input: &str) -> Tables {
+            let mut t = Tables::default();
+            t.apply(input);
+            t
+        }
+
         fn apply(&mut self, input: &str) {
             let mut table = String::new();
             for line in input.lines() {
@@ -902,49 +924,160 @@ mod tests {
                         rules.insert(n - 1, format!("-A {chain} {spec}"));
                     }
                     ["-X", chain] | ["-X", chain, ..] => {
-                        chains.remove(*chain);
+                        let rules = chains.remove(*chain).unwrap_or_default();
+                        assert!(rules.is_empty(), "-X of a chain with rules: {line}");
+                        let target = format!(" -j {chain}");
+                        assert!(
+                            !chains.values().flatten().any(|r| r.ends_with(&target)),
+                            "-X of a chain still jumped to: {line}"
+                        );
                     }
                     ["COMMIT"] | [""] => {}
                     other => panic!("unexpected line {other:?}"),
                 }
             }
         }
+
+        /// The tables with the rules of nat KUBE-SERVICES and KUBE-NODEPORTS sorted, but for
+        /// the NodePort rule, which must be the last (checked): their order does not matter.
+        fn canonical(&self) -> Tables {
+            let mut t = Tables(self.0.clone());
+            if let Some(nat) = t.0.get_mut("nat") {
+                for chain in [KUBE_SERVICES, KUBE_NODEPORTS] {
+                    let Some(rules) = nat.get_mut(chain) else { continue };
+                    let tail = rules.iter().position(|r| r.contains("-j KUBE-NODEPORTS"));
+                    if let Some(i) = tail {
+                        assert_eq!(i, rules.len() - 1, "the NodePort rule is the last: {rules:?}");
+                        rules.pop();
+                    }
+                    rules.sort();
+                    if let Some(i) = tail {
+                        rules.push(self.0["nat"][chain][i].clone());
+                    }
+                }
+            }
+            t
+        }
+    }
+
+    fn node_port_state(step: &[u8]) -> ProxyState {
+        let ports: Vec<ServicePortState> = step
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| **n != 4)
+            .map(|(i, n)| {
+                let eps: Vec<u8> = (1..=*n).map(|e| e + 10 * i as u8).collect();
+                let mut sp = port(&format!("s{i}"), i as u8 + 1, Protocol::Tcp, &eps);
+                if i % 2 == 0 {
+                    sp.port.node_port = 30000 + i as u16;
+                }
+                sp
+            })
+            .collect();
+        state(ports)
     }
 
     proptest::proptest! {
         /// After any sequence of states synced incrementally (Services coming and going,
-        /// gaining and losing endpoints, NodePorts), the tables hold exactly what a full
-        /// render of the last state writes into empty tables, rule order included.
+        /// gaining and losing endpoints, NodePorts), split into runs of a few lines, the tables
+        /// hold what a full render of the last state writes into empty tables (the rules of
+        /// KUBE-SERVICES and KUBE-NODEPORTS in any order, the NodePort rule last); and a full
+        /// sync puts them back in rendered order.
         #[test]
-        fn incremental_syncs_leave_what_a_full_render_leaves(steps in proptest::collection::vec(proptest::collection::vec(0u8..5, 6), 1..12)) {
-            let mut p = IptablesProxier::new(Fake::default(), opts());
+        fn incremental_syncs_leave_what_a_full_render_leaves(
+            steps in proptest::collection::vec(proptest::collection::vec(0u8..5, 6), 1..12),
+            batch in 1usize..40,
+        ) {
+            let fake = Fake { batch: Some(batch), ..Fake::default() };
+            let mut p = IptablesProxier::new(fake, opts());
             let mut tables = Tables::default();
-            for step in steps {
-                let ports: Vec<ServicePortState> = step
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, n)| **n != 4)
-                    .map(|(i, n)| {
-                        let eps: Vec<u8> = (1..=*n).map(|e| e + 10 * i as u8).collect();
-                        let mut sp = port(&format!("s{i}"), i as u8 + 1, Protocol::Tcp, &eps);
-                        if i % 2 == 0 {
-                            sp.port.node_port = 30000 + i as u16;
-                        }
-                        sp
-                    })
-                    .collect();
-                let st = state(ports);
+            for step in &steps {
+                let st = node_port_state(step);
                 p.sync(&st).unwrap();
-                let input = p.iptables().restores.last().cloned().unwrap_or_default();
-                if !p.iptables().restores.is_empty() {
-                    tables.apply(&input);
-                    p.iptables().restores.clear();
-                }
-                let mut fresh = Tables::default();
-                fresh.apply(&render(&st, &opts()).restore);
-                proptest::prop_assert_eq!(&tables, &fresh);
+                tables.apply(&p.iptables().restored());
+                p.iptables().restores.clear();
+                let fresh = Tables::of(&render(&st, &opts()).restore);
+                proptest::prop_assert_eq!(tables.canonical(), fresh.canonical());
             }
         }
+    }
+
+    #[test]
+    fn one_sync_split_into_runs_keeps_every_service_reachable() {
+        // Ten Services, runs of about 8 lines: s0 loses its endpoints, s1 gains its first, the
+        // others change theirs.
+        let before: Vec<ServicePortState> = (0..10u8)
+            .map(|i| {
+                port(
+                    &format!("s{i}"),
+                    i + 1,
+                    Protocol::Tcp,
+                    if i == 1 { &[] } else { &[1, 2] },
+                )
+            })
+            .collect();
+        let mut after = before.clone();
+        after[0].endpoints.clear();
+        after[1] = port("s1", 2, Protocol::Tcp, &[7]);
+        for sp in &mut after[2..] {
+            sp.endpoints.pop();
+        }
+        let fake = Fake {
+            batch: Some(8),
+            ..Fake::default()
+        };
+        let mut p = IptablesProxier::new(fake, opts());
+        p.sync(&state(before.clone())).unwrap();
+        let mut tables = Tables::of(&p.iptables().restored());
+        p.iptables().restores.clear();
+        p.sync(&state(after.clone())).unwrap();
+        let runs = p.iptables().restores.clone();
+        assert!(runs.len() > 3, "{runs:?}");
+        let input = runs.concat();
+        let chains = |name: &str| crate::iptables::names::service_port_chains(&format!("ns/{name}:p"), "tcp");
+        let (s0, s1) = (chains("s0").cluster, chains("s1").cluster);
+        let pos = |needle: &str| input.find(needle).unwrap_or_else(|| panic!("{needle} in {input}"));
+        // s1: chains, then its jump, then its REJECT goes (filter written whole after it).
+        assert!(pos(&format!(":{s1} ")) < pos("-I KUBE-SERVICES 1 -m comment --comment \"ns/s1:p"));
+        assert!(pos("-I KUBE-SERVICES 1") < pos("*filter"));
+        // s0: its REJECT comes (filter) before its jump goes, and its chain goes after that.
+        assert!(pos("*filter") < pos("-D KUBE-SERVICES -m comment --comment \"ns/s0:p"));
+        assert!(pos("-D KUBE-SERVICES") < pos(&format!("-X {s0}")));
+        // Every run holds whole units: a chain declared is filled in the same run.
+        for run in &runs {
+            for decl in run.lines().filter_map(|l| l.strip_prefix(':')) {
+                let c = decl.split(' ').next().unwrap();
+                let filled = run.contains(&format!("-A {c} ")) || run.contains(&format!("-X {c}"));
+                assert!(filled || c.starts_with("KUBE-"), "{c} declared empty in {run}");
+            }
+            tables.apply(run);
+        }
+        let fresh = Tables::of(&render(&state(after), &opts()).restore);
+        assert_eq!(tables.canonical(), fresh.canonical());
+    }
+
+    #[test]
+    fn two_services_on_one_address_write_kube_services_whole() {
+        let a = port("a", 1, Protocol::Tcp, &[1]);
+        let mut b = port("b", 2, Protocol::Tcp, &[]);
+        b.port.external_ips = vec!["10.96.0.1".parse().unwrap()];
+        b.port.cluster_ip = "10.96.0.9".parse().unwrap();
+        let mut b_up = b.clone();
+        b_up.endpoints = port("x", 0, Protocol::Tcp, &[3]).endpoints;
+        // a's ClusterIP is b's externalIP, on the same port: a's rule must stay first.
+        assert_eq!(a.port.cluster_ip, b.port.external_ips[0]);
+        let mut p = IptablesProxier::new(Fake::default(), opts());
+        p.sync(&state(vec![a.clone(), b])).unwrap();
+        p.sync(&state(vec![a.clone(), b_up.clone()])).unwrap();
+        let input = p.iptables().restores.last().unwrap().clone();
+        assert!(declared(&input).contains(&"KUBE-SERVICES"), "written whole: {input}");
+        let mut tables = Tables::of(&p.iptables().restored());
+        let fresh = Tables::of(&render(&state(vec![a, b_up]), &opts()).restore);
+        tables.0.retain(|_, t| !t.is_empty());
+        assert_eq!(
+            tables.0["nat"][KUBE_SERVICES], fresh.0["nat"][KUBE_SERVICES],
+            "in rendered order"
+        );
     }
 
     #[test]
@@ -991,7 +1124,7 @@ mod tests {
     }
 
     #[test]
-    fn large_full_sync_replaces_tables_keeping_foreign_rules() {
+    fn a_large_full_sync_is_split_into_runs_and_never_touches_foreign_rules() {
         let many: Vec<u8> = (1..=250).collect();
         let ports: Vec<ServicePortState> = (0..10)
             .map(|i| port(&format!("s{i}"), i as u8 + 1, Protocol::Tcp, &many))
@@ -1000,22 +1133,121 @@ mod tests {
         let mut fake = Fake::default();
         fake.saved.insert(
             "nat".into(),
-            "*nat\n:PREROUTING ACCEPT [0:0]\n:CNI-X - [0:0]\n[1:60] -A PREROUTING -j CNI-X\nCOMMIT\n".into(),
+            "*nat\n:PREROUTING ACCEPT [0:0]\n:CNI-X - [0:0]\n-A PREROUTING -j CNI-X\nCOMMIT\n".into(),
         );
         let mut p = IptablesProxier::new(fake, opts());
         let r = p.sync(&st).unwrap();
         assert!(r.full);
         let ipt = p.iptables();
-        assert!(ipt.restores.is_empty(), "no --noflush restore for a large full sync");
-        assert_eq!(ipt.replaces.len(), 1);
-        let text = &ipt.replaces[0];
-        assert!(text.contains("[1:60] -A PREROUTING -j CNI-X") && text.contains(":CNI-X - [0:0]"));
-        assert_eq!(text.matches(":KUBE-SEP-").count(), 2500);
-        // The next change is a partial --noflush restore again.
+        let budget = crate::iptables::exec::NFT_BATCH_LINES;
+        // 2,510 chains, 5,000 endpoint rules: a run per ~2,500 lines, each of whole Services
+        // (one Service is 753 lines).
+        assert!(ipt.restores.len() >= 3, "{}", ipt.restores.len());
+        for run in &ipt.restores {
+            assert!(run.lines().count() <= budget + 800, "{}", run.lines().count());
+            assert!(
+                !run.contains("CNI-X") && !run.contains("PREROUTING"),
+                "foreign rules untouched"
+            );
+        }
+        assert_eq!(ipt.restored().matches(":KUBE-SEP-").count(), 2500);
+        let tables = Tables::of(&ipt.restored());
+        assert_eq!(tables, Tables::of(&render(&st, &opts()).restore));
+        // The next change is one run again.
         let mut fewer = st.clone();
         Arc::make_mut(&mut fewer.service_ports[0]).endpoints.pop();
+        p.iptables().restores.clear();
         let r = p.sync(&fewer).unwrap();
         assert!(!r.full && r.removed_objects == 1);
         assert_eq!(p.iptables().restores.len(), 1);
+    }
+
+    #[test]
+    fn a_full_sync_on_loaded_tables_leaves_unchanged_fixed_chains_alone() {
+        let st = node_port_state(&[2, 1, 0, 3, 2, 1]);
+        let mut p = IptablesProxier::new(Fake::default(), opts());
+        p.sync(&st).unwrap();
+        // What iptables-save lists of that (its own spelling: matches moved, /32 added).
+        let respelled = |line: &str| {
+            let l = line.replace("-m tcp -p tcp -d ", "-p tcp -m tcp -d ");
+            match l.split_once(" -d ") {
+                Some((head, rest)) => {
+                    let (ip, tail) = rest.split_once(' ').unwrap();
+                    format!("{head} -d {ip}/32 {tail}")
+                }
+                None => l,
+            }
+        };
+        let saved: String = render(&st, &opts())
+            .restore
+            .lines()
+            .skip_while(|l| *l != "*nat")
+            .map(|l| format!("{}\n", respelled(l)))
+            .collect();
+        p.iptables().saved.insert("nat".into(), saved.clone());
+        p.iptables().restores.clear();
+        p.force_full_sync();
+        let r = p.sync(&st).unwrap();
+        assert!(r.full && r.removed_objects == 0, "{r:?}");
+        let input = nat_only(&p.iptables().restored());
+        assert!(
+            !input.contains(" KUBE-SERVICES ")
+                && !input.contains(" KUBE-NODEPORTS ")
+                && !input.contains(":KUBE-SERVICES"),
+            "{input}"
+        );
+        // A stale rule and a stale chain in the kernel go; a missing rule comes back.
+        let dropped = saved
+            .lines()
+            .find(|l| l.starts_with("-A KUBE-SERVICES "))
+            .unwrap()
+            .to_string();
+        let stale_rule = "-A KUBE-SERVICES -d 10.96.0.99/32 -p tcp -m tcp --dport 80 -j KUBE-SVC-OLDOLDOLDOLDOLDO";
+        let kernel = saved.replace(&format!("{dropped}\n"), "").replace(
+            "COMMIT\n",
+            &format!(":KUBE-SVC-OLDOLDOLDOLDOLDO - [0:0]\n{stale_rule}\nCOMMIT\n"),
+        );
+        p.iptables().saved.insert("nat".into(), kernel);
+        p.iptables().restores.clear();
+        p.force_full_sync();
+        let r = p.sync(&st).unwrap();
+        assert_eq!(r.removed_objects, 1);
+        let input = p.iptables().restored();
+        let spec = |l: &str| l.split_once(" KUBE-SERVICES ").unwrap().1.to_string();
+        let inserted = render(&st, &opts())
+            .restore
+            .lines()
+            .find(|l| normalized_eq(l, &dropped))
+            .map(spec)
+            .unwrap();
+        assert!(input.contains(&format!("-I KUBE-SERVICES 1 {inserted}\n")), "{input}");
+        assert!(
+            input.contains(&format!("-D KUBE-SERVICES {}\n", spec(stale_rule))),
+            "{input}"
+        );
+        assert!(input.find("-D KUBE-SERVICES") < input.find("-X KUBE-SVC-OLDOLDOLDOLDOLDO"));
+        assert_eq!(
+            input.matches("KUBE-SERVICES 1 ").count() + input.matches("-D KUBE-SERVICES").count(),
+            2
+        );
+    }
+
+    /// The lines of the `*nat` sections of restore input.
+    fn nat_only(input: &str) -> String {
+        let mut nat = false;
+        let mut out = String::new();
+        for line in input.lines() {
+            if let Some(t) = line.strip_prefix('*') {
+                nat = t == "nat";
+            } else if nat {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+        out
+    }
+
+    fn normalized_eq(a: &str, b: &str) -> bool {
+        crate::iptables::edits::normalized(a) == crate::iptables::edits::normalized(b)
     }
 }

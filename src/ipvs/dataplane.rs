@@ -1,9 +1,11 @@
 //! IPVS mode behind the daemon's [`Proxier`] trait: what a sync, a cleanup and a read-back
-//! mean for [`IpvsProxier`]. Every IPVS sync reconciles the whole table (as upstream's), so a
-//! "sync of changes" is the same as a full one, and the daemon syncs every sync period.
+//! mean for [`IpvsProxier`]. A full sync lists and reconciles the whole table (as upstream's
+//! every sync does) at start, after a failure and every [`FULL_SYNC_PERIOD`]; a sync of
+//! changes sends only the differences from the last one. The daemon syncs every sync period
+//! (the NodePort virtual servers follow the interface addresses).
 
 use std::net::SocketAddr;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::cleanup::cleanup;
 use super::host::IpvsHost;
@@ -17,6 +19,8 @@ use super::render::{
 use crate::config::ProxyMode;
 // IPVS mode programs iptables rules too (masquerading, NodePorts, source ranges).
 use crate::iptables::exec::Iptables;
+// The same period as iptables mode's full syncs (upstream's `FullSyncPeriod`).
+use crate::iptables::proxier::FULL_SYNC_PERIOD;
 use crate::model::{IpFamily, ProxyState, ServicePort, ServicePortName};
 use crate::proxy::{Programmed, ProgrammedSection, Proxier, ReadBackError, SyncContext, SyncError, SyncReport};
 
@@ -40,8 +44,14 @@ impl<V: Ipvs + Send, I: Iptables, H: IpvsHost + Send> Proxier for IpvsProxier<V,
     }
 
     fn sync_changes(&mut self, state: &ProxyState) -> Result<SyncReport, SyncError> {
-        // Each sync lists and reconciles everything: a failure is a failed full sync.
-        self.sync(state).map_err(|e| SyncError::new(true, e))
+        let full = self.next_sync_is_full();
+        self.sync(state).map_err(|e| SyncError::new(full, e))
+    }
+
+    fn full_sync_period(&self) -> Option<Duration> {
+        // The periodic reconcile that repairs drift (a real server someone deleted, an
+        // address someone unbound): other syncs send only what changed in the model.
+        Some(FULL_SYNC_PERIOD)
     }
 
     fn intact(&mut self) -> bool {

@@ -14,6 +14,18 @@
 //! 6. virtual servers we own that are no longer wanted drained and deleted, and addresses no
 //!    longer wanted unbound.
 //!
+//! **Full syncs and syncs of differences.** A full sync (the first, after a failure or new
+//! options, when `intact` finds our marks gone, and every [`crate::iptables::proxier::FULL_SYNC_PERIOD`]
+//! for drift) lists the kernel's virtual servers, each one's real servers, the addresses of
+//! `kube-ipvs0` and the ipsets, and reconciles them. Every other sync compares the rendering
+//! with what the last successful one left (kept as rendered, [`Applied`]) and sends only the
+//! steps above for what differs: the virtual servers that are new, changed or gone, the real
+//! servers that come, change weight or go, the addresses that come or go, the ipset entries
+//! that come or go, and the iptables input only when it changed. Nothing is listed but the
+//! real servers of a virtual server that loses one (their connection counts decide between
+//! deleting it and draining it) or goes. An endpoint change at 10,000 Services is then a few
+//! netlink messages, where listing the table took one dump per virtual server.
+//!
 //! **Node addresses.** Every sync lists the addresses of the namespace's links but
 //! `kube-ipvs0` (upstream re-reads them on every sync too) and renders with them: NodePort
 //! virtual servers go on those nodePortAddresses selects, so an address that appears gets
@@ -78,22 +90,48 @@ pub enum SyncError {
     Iptables(#[from] ExecError),
 }
 
-/// What the kernel holds after the last successful full sync (to recognise a sync with
-/// nothing new).
+/// One virtual server as the last successful sync left it: its settings and its real
+/// servers with their weights.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct AppliedServer {
+    server: VirtualServer,
+    dests: BTreeMap<SocketAddr, u32>,
+}
+
+/// What the last successful sync programmed, as rendered: a sync whose rendering equals it has
+/// nothing to send, and one whose rendering differs sends only the differences (see
+/// [`IpvsProxier::sync_differences`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Applied {
-    virtual_servers: Vec<IpvsService>,
-    bound: Vec<IpAddr>,
-    ipsets: String,
+    virtual_servers: BTreeMap<ServiceKey, AppliedServer>,
+    bound: BTreeSet<IpAddr>,
+    ipsets: BTreeMap<String, BTreeSet<String>>,
     restore: String,
 }
 
 impl Applied {
     fn of(rs: &IpvsRuleset) -> Applied {
+        let virtual_servers = rs
+            .virtual_servers
+            .iter()
+            .map(|svc| {
+                let server = virtual_server(svc);
+                let dests = svc
+                    .destinations
+                    .iter()
+                    .map(|d| (SocketAddr::new(d.address, d.port), d.weight))
+                    .collect();
+                (server.key(), AppliedServer { server, dests })
+            })
+            .collect();
         Applied {
-            virtual_servers: rs.virtual_servers.clone(),
-            bound: rs.bound_addresses.clone(),
-            ipsets: rs.ipset_restore(),
+            virtual_servers,
+            bound: rs.bound_addresses.iter().copied().collect(),
+            ipsets: rs
+                .ipsets
+                .iter()
+                .map(|set| (set.name.clone(), set.entries.iter().cloned().collect()))
+                .collect(),
             restore: rs.restore.clone(),
         }
     }
@@ -116,6 +154,9 @@ pub struct IpvsProxier<V: Ipvs, I: Iptables, H: IpvsHost> {
     draining: BTreeMap<(ServiceKey, SocketAddr), VirtualServer>,
     /// Virtual servers no longer wanted, deleted once their last real server is.
     retiring: BTreeMap<ServiceKey, VirtualServer>,
+    /// This family's addresses on `kube-ipvs0`: as listed by the last full sync, with what
+    /// syncs bound and unbound since.
+    bound: BTreeSet<IpAddr>,
     next_check: Option<Instant>,
     check_interval: Duration,
 }
@@ -164,32 +205,32 @@ fn canonical_entry(e: &str) -> &str {
 }
 
 /// The `ipset restore -exist` input that brings the sets to `rs`'s entries, given what the
-/// kernel holds (`current`): every set created (a no-op when it exists), missing entries
-/// added, extra ones deleted. Empty when nothing changes.
+/// kernel holds (`current`): each set that is missing or changes created (a no-op when it
+/// exists), missing entries added, extra ones deleted. Empty when nothing changes.
 pub fn ipset_changes(rs: &IpvsRuleset, current: &BTreeMap<String, BTreeSet<String>>) -> String {
     let mut out = String::new();
-    let mut changes = false;
     for set in &rs.ipsets {
-        out.push_str(&set.create_line());
-        out.push('\n');
         let have = current.get(&set.name);
-        changes |= have.is_none();
         let have_canon: BTreeSet<&str> = have.into_iter().flatten().map(|e| canonical_entry(e)).collect();
         let want_canon: BTreeSet<&str> = set.entries.iter().map(|e| canonical_entry(e)).collect();
+        let mut lines = String::new();
         for e in &set.entries {
             if !have_canon.contains(canonical_entry(e)) {
-                out.push_str(&format!("add {} {e}\n", set.name));
-                changes = true;
+                lines.push_str(&format!("add {} {e}\n", set.name));
             }
         }
         for e in have.into_iter().flatten() {
             if !want_canon.contains(canonical_entry(e)) {
-                out.push_str(&format!("del {} {e}\n", set.name));
-                changes = true;
+                lines.push_str(&format!("del {} {e}\n", set.name));
             }
         }
+        if have.is_none() || !lines.is_empty() {
+            out.push_str(&set.create_line());
+            out.push('\n');
+            out.push_str(&lines);
+        }
     }
-    if changes { out } else { String::new() }
+    out
 }
 
 impl<V: Ipvs, I: Iptables, H: IpvsHost> IpvsProxier<V, I, H> {
@@ -206,6 +247,7 @@ impl<V: Ipvs, I: Iptables, H: IpvsHost> IpvsProxier<V, I, H> {
             node_addresses: BTreeSet::new(),
             draining: BTreeMap::new(),
             retiring: BTreeMap::new(),
+            bound: BTreeSet::new(),
             next_check: None,
             check_interval: DRAIN_CHECK_FIRST,
         }
@@ -244,6 +286,11 @@ impl<V: Ipvs, I: Iptables, H: IpvsHost> IpvsProxier<V, I, H> {
 
     pub fn force_full_sync(&mut self) {
         self.applied = None;
+    }
+
+    /// Whether the next sync lists and reconciles everything (no successful sync to build on).
+    pub fn next_sync_is_full(&self) -> bool {
+        self.applied.is_none()
     }
 
     /// Whether our entry jump and the dummy link are still there (someone may flush nat or
@@ -300,13 +347,19 @@ impl<V: Ipvs, I: Iptables, H: IpvsHost> IpvsProxier<V, I, H> {
             self.setup_done = true;
         }
         let applied = Applied::of(rs);
-        if self.applied.as_ref() == Some(&applied) {
-            // Nothing new: only the draining real servers may have something to do.
-            self.check_draining(&mut report, false)?;
-            return Ok(report);
+        match self.applied.take() {
+            Some(prev) if prev == applied => {
+                // Nothing new: only the draining real servers may have something to do.
+                self.applied = Some(prev);
+                self.check_draining(&mut report, false)?;
+                return Ok(report);
+            }
+            Some(prev) => self.sync_differences(rs, &prev, &applied, &mut report)?,
+            None => {
+                report.full = true;
+                self.full_sync(rs, &applied, &mut report)?;
+            }
         }
-        report.full = true;
-        self.full_sync(rs, &mut report)?;
         self.applied = Some(applied);
         self.check_draining(&mut report, true)?;
         Ok(report)
@@ -339,7 +392,7 @@ impl<V: Ipvs, I: Iptables, H: IpvsHost> IpvsProxier<V, I, H> {
         self.opts.exclude_cidrs.iter().any(|c| c.contains(ip))
     }
 
-    fn full_sync(&mut self, rs: &IpvsRuleset, report: &mut SyncReport) -> Result<(), SyncError> {
+    fn full_sync(&mut self, rs: &IpvsRuleset, want: &Applied, report: &mut SyncReport) -> Result<(), SyncError> {
         let family = self.family;
         self.host.ensure_dummy(DUMMY_DEVICE)?;
         let bound_now: BTreeSet<IpAddr> = self
@@ -357,72 +410,40 @@ impl<V: Ipvs, I: Iptables, H: IpvsHost> IpvsProxier<V, I, H> {
             .collect();
 
         // 2. Wanted virtual servers and their real servers.
-        let mut wanted: BTreeSet<ServiceKey> = BTreeSet::new();
-        for svc in &rs.virtual_servers {
-            let want = virtual_server(svc);
-            let key = want.key();
-            wanted.insert(key);
-            self.retiring.remove(&key);
-            let existing = match current.get(&key) {
+        for (key, w) in &want.virtual_servers {
+            self.retiring.remove(key);
+            let existing = match current.get(key) {
                 None => {
-                    self.ipvs.add_service(&want)?;
+                    self.ipvs.add_service(&w.server)?;
                     report.operations += 1;
-                    report.rewritten_services += 1;
                     false
                 }
                 Some(have) => {
-                    if !same_settings(have, &want) {
-                        self.ipvs.update_service(&want)?;
+                    if !same_settings(have, &w.server) {
+                        self.ipvs.update_service(&w.server)?;
                         report.operations += 1;
-                        report.rewritten_services += 1;
                     }
                     true
                 }
             };
-            self.programmed.insert(key);
+            let settings_changed = !current.get(key).is_some_and(|h| same_settings(h, &w.server));
+            self.programmed.insert(*key);
             let have: BTreeMap<SocketAddr, RealServer> = if existing {
-                self.ipvs.dests(&want)?.into_iter().map(|d| (d.key(), d)).collect()
+                self.ipvs.dests(&w.server)?.into_iter().map(|d| (d.key(), d)).collect()
             } else {
                 BTreeMap::new()
             };
-            let mut changed = false;
-            for d in &svc.destinations {
-                let rs_want = RealServer::new(d.address, d.port, d.weight);
-                let addr = rs_want.key();
-                self.draining.remove(&(key, addr));
-                match have.get(&addr) {
-                    None => {
-                        self.ipvs.add_dest(&want, &rs_want)?;
-                        report.operations += 1;
-                        changed = true;
-                    }
-                    Some(h) if h.weight != rs_want.weight || h.forward != rs_want.forward => {
-                        self.ipvs.update_dest(&want, &rs_want)?;
-                        report.operations += 1;
-                        changed = true;
-                    }
-                    Some(_) => {}
-                }
-            }
-            let wanted_dests: BTreeSet<SocketAddr> = svc
-                .destinations
-                .iter()
-                .map(|d| SocketAddr::new(d.address, d.port))
-                .collect();
-            for (addr, h) in &have {
-                if !wanted_dests.contains(addr) {
-                    changed |= self.retire_dest(&want, h, report)?;
-                }
-            }
-            if changed && existing && current.get(&key).is_some_and(|h| same_settings(h, &want)) {
+            let dests_changed = self.apply_dests(w, &have, report)?;
+            if settings_changed || dests_changed {
                 report.rewritten_services += 1;
             }
         }
 
         // 3. Addresses: the wanted ones now; unwanted ones after their services are gone.
-        let want_bound: BTreeSet<IpAddr> = rs.bound_addresses.iter().copied().collect();
+        let want_bound = &want.bound;
         let add: Vec<IpAddr> = want_bound.difference(&bound_now).copied().collect();
         self.host.change_addresses(DUMMY_DEVICE, &add, &[])?;
+        self.bound = bound_now.iter().chain(&add).copied().collect();
 
         // 4. ipsets, before the rules that match on them.
         let sets = ipset_changes(rs, &self.host.ipsets()?);
@@ -440,7 +461,7 @@ impl<V: Ipvs, I: Iptables, H: IpvsHost> IpvsProxier<V, I, H> {
 
         // 6. Virtual servers we own and no longer want.
         for (key, vs) in &current {
-            if wanted.contains(key) || self.excluded(&vs.address) {
+            if want.virtual_servers.contains_key(key) || self.excluded(&vs.address) {
                 continue;
             }
             // No packet for an address the node no longer has reaches IPVS (it only sees
@@ -474,8 +495,162 @@ impl<V: Ipvs, I: Iptables, H: IpvsHost> IpvsProxier<V, I, H> {
             report.rewritten_services += 1;
         }
         self.delete_empty_retiring()?;
-        self.unbind_unused(&bound_now, &want_bound)?;
+        self.unbind_unused(&bound_now, want_bound)?;
         Ok(())
+    }
+
+    /// Brings the real servers of `w` (a virtual server the kernel has) from `have` to the
+    /// wanted ones: missing ones added, changed weights updated, the others retired. True when
+    /// something changed.
+    fn apply_dests(
+        &mut self,
+        w: &AppliedServer,
+        have: &BTreeMap<SocketAddr, RealServer>,
+        report: &mut SyncReport,
+    ) -> Result<bool, SyncError> {
+        let key = w.server.key();
+        let mut changed = false;
+        for (addr, weight) in &w.dests {
+            let rs_want = RealServer::new(addr.ip(), addr.port(), *weight);
+            self.draining.remove(&(key, *addr));
+            match have.get(addr) {
+                None => {
+                    self.ipvs.add_dest(&w.server, &rs_want)?;
+                    report.operations += 1;
+                    changed = true;
+                }
+                Some(h) if h.weight != rs_want.weight || h.forward != rs_want.forward => {
+                    self.ipvs.update_dest(&w.server, &rs_want)?;
+                    report.operations += 1;
+                    changed = true;
+                }
+                Some(_) => {}
+            }
+        }
+        for (addr, h) in have {
+            if !w.dests.contains_key(addr) {
+                changed |= self.retire_dest(&w.server, h, report)?;
+            }
+        }
+        Ok(changed)
+    }
+
+    /// A sync after a successful one (`prev`) sends only what differs from it: nothing is
+    /// listed but the real servers of a virtual server that loses some (their connection
+    /// counts decide between deleting and draining) or goes. Steps and order as in a full sync.
+    fn sync_differences(
+        &mut self,
+        rs: &IpvsRuleset,
+        prev: &Applied,
+        want: &Applied,
+        report: &mut SyncReport,
+    ) -> Result<(), SyncError> {
+        // 2. Virtual servers that are new or changed, and their real servers.
+        for (key, w) in &want.virtual_servers {
+            let before = prev.virtual_servers.get(key);
+            if before == Some(w) {
+                continue;
+            }
+            let was_retiring = self.retiring.remove(key).is_some();
+            let have = match before {
+                Some(b) => {
+                    if !same_settings(&b.server, &w.server) {
+                        self.ipvs.update_service(&w.server)?;
+                        report.operations += 1;
+                    }
+                    self.known_dests(b, w)?
+                }
+                None if was_retiring => {
+                    // Still in the kernel, draining: its settings and real servers as they are.
+                    self.ipvs.update_service(&w.server)?;
+                    report.operations += 1;
+                    self.ipvs.dests(&w.server)?.into_iter().map(|d| (d.key(), d)).collect()
+                }
+                None => {
+                    self.ipvs.add_service(&w.server)?;
+                    report.operations += 1;
+                    BTreeMap::new()
+                }
+            };
+            self.programmed.insert(*key);
+            self.apply_dests(w, &have, report)?;
+            report.rewritten_services += 1;
+        }
+
+        // 3. Addresses that come.
+        let add: Vec<IpAddr> = want.bound.difference(&self.bound).copied().collect();
+        if !add.is_empty() {
+            self.host.change_addresses(DUMMY_DEVICE, &add, &[])?;
+            self.bound.extend(add);
+        }
+
+        // 4. ipsets, entry by entry, from what the last sync left.
+        let sets = ipset_changes(rs, &prev.ipsets);
+        if !sets.is_empty() {
+            self.host.ipset_restore(&sets)?;
+        }
+
+        // 5. iptables, when its rules changed (the jumps are checked by `intact`).
+        if rs.restore != prev.restore {
+            self.ipt.restore(&rs.restore)?;
+            report.operations += restore_operations(&rs.restore);
+        }
+        report.operations += restore_operations(&sets);
+
+        // 6. Virtual servers that go, and retiring ones nothing can reach any more.
+        let unreachable =
+            |p: &Self, vs: &VirtualServer| !p.bound.contains(&vs.address) && !p.node_addresses.contains(&vs.address);
+        for (key, b) in &prev.virtual_servers {
+            if want.virtual_servers.contains_key(key) {
+                continue;
+            }
+            report.rewritten_services += 1;
+            if unreachable(self, &b.server) {
+                self.delete_now(*key, &b.server)?;
+                continue;
+            }
+            for d in self.ipvs.dests(&b.server)? {
+                self.retire_dest(&b.server, &d, report)?;
+            }
+            self.retiring.insert(*key, b.server.clone());
+        }
+        let cut_off: Vec<(ServiceKey, VirtualServer)> = self
+            .retiring
+            .iter()
+            .filter(|(_, vs)| unreachable(self, vs))
+            .map(|(k, vs)| (*k, vs.clone()))
+            .collect();
+        for (key, vs) in cut_off {
+            self.delete_now(key, &vs)?;
+        }
+        self.delete_empty_retiring()?;
+        let bound = self.bound.clone();
+        self.unbind_unused(&bound, &want.bound)
+    }
+
+    /// The real servers of `b` as the last sync left them, and those draining (weight 0); when
+    /// one of them is not wanted in `w` and may have to drain, as the kernel lists them (with
+    /// their connection counts).
+    fn known_dests(
+        &mut self,
+        b: &AppliedServer,
+        w: &AppliedServer,
+    ) -> Result<BTreeMap<SocketAddr, RealServer>, SyncError> {
+        let key = b.server.key();
+        let leaving = b.dests.keys().any(|a| !w.dests.contains_key(a));
+        if leaving && needs_draining(b.server.protocol) {
+            return Ok(self.ipvs.dests(&w.server)?.into_iter().map(|d| (d.key(), d)).collect());
+        }
+        let mut have: BTreeMap<SocketAddr, RealServer> = b
+            .dests
+            .iter()
+            .map(|(a, w)| (*a, RealServer::new(a.ip(), a.port(), *w)))
+            .collect();
+        for (_, addr) in self.draining.keys().filter(|(k, _)| *k == key) {
+            have.entry(*addr)
+                .or_insert_with(|| RealServer::new(addr.ip(), addr.port(), 0));
+        }
+        Ok(have)
     }
 
     /// Takes a real server out of `vs`: at once when nothing needs it, else weight 0 and onto
@@ -550,7 +725,12 @@ impl<V: Ipvs, I: Iptables, H: IpvsHost> IpvsProxier<V, I, H> {
             .filter(|ip| !want.contains(ip) && !in_use.contains(ip))
             .copied()
             .collect();
-        self.host.change_addresses(DUMMY_DEVICE, &[], &del)?;
+        if !del.is_empty() {
+            self.host.change_addresses(DUMMY_DEVICE, &[], &del)?;
+        }
+        for ip in &del {
+            self.bound.remove(ip);
+        }
         Ok(())
     }
 
@@ -789,6 +969,126 @@ mod tests {
         assert_eq!(p.host.calls.len(), host_calls, "{:?}", p.host.calls);
     }
 
+    /// 40 Services of 3 endpoints each, the endpoints of Service i in 10.244.i.0/24.
+    fn many(changed: Option<(usize, &[&str])>) -> ProxyState {
+        let ports = (0..40)
+            .map(|i| {
+                let eps: Vec<String> = (1..=3).map(|j| format!("10.244.{i}.{j}")).collect();
+                let mut eps: Vec<&str> = eps.iter().map(String::as_str).collect();
+                if let Some((k, other)) = changed
+                    && k == i
+                {
+                    eps = other.to_vec();
+                }
+                port(&format!("s{i}"), &format!("10.96.1.{i}"), Protocol::Tcp, &eps)
+            })
+            .collect();
+        state(ports)
+    }
+
+    #[test]
+    fn an_endpoint_change_sends_only_the_changed_real_servers() {
+        let mut p = proxier();
+        p.sync(&many(None)).expect("sync");
+        p.ipvs.take_calls();
+        let (host_calls, restores, ipt_restores) = (p.host.calls.len(), p.host.restores.len(), p.ipt.restores.len());
+
+        // Service 7 replaces one endpoint (a rolling update).
+        let report = p
+            .sync(&many(Some((7, &["10.244.7.1", "10.244.7.2", "10.244.7.9"]))))
+            .expect("sync");
+        assert!(!report.full);
+        assert_eq!(report.rewritten_services, 1);
+        let key = tcp_key("10.96.1.7", 80);
+        assert_eq!(
+            p.ipvs.calls(),
+            [
+                // Only its real servers are listed, for the connection count of the one that goes.
+                Call::Dests(key),
+                Call::AddDest(key, RealServer::new(ip("10.244.7.9"), 8080, 1)),
+                Call::DeleteDest(key, sa("10.244.7.3:8080")),
+            ]
+        );
+        assert_eq!(
+            dests(&p, key),
+            vec![
+                (sa("10.244.7.1:8080"), 1),
+                (sa("10.244.7.2:8080"), 1),
+                (sa("10.244.7.9:8080"), 1)
+            ]
+        );
+        // No set holds a remote endpoint, and no address changes: nothing else is sent.
+        assert_eq!(p.host.restores.len(), restores);
+        assert_eq!(p.host.calls.len(), host_calls, "{:?}", p.host.calls);
+        assert_eq!(p.ipt.restores.len(), ipt_restores, "the iptables rules did not change");
+
+        // A UDP-less, connection-less endpoint that only gains: no listing at all.
+        p.ipvs.take_calls();
+        p.sync(&many(Some((
+            7,
+            &["10.244.7.1", "10.244.7.2", "10.244.7.9", "10.244.7.10"],
+        ))))
+        .expect("sync");
+        assert_eq!(
+            p.ipvs.calls(),
+            [Call::AddDest(key, RealServer::new(ip("10.244.7.10"), 8080, 1))]
+        );
+    }
+
+    #[test]
+    fn services_that_come_and_go_are_sent_alone_and_a_full_sync_repairs_drift() {
+        let mut p = proxier();
+        let mut st = many(None);
+        p.sync(&st).expect("sync");
+        p.ipvs.take_calls();
+        let mut ports: Vec<ServicePortState> = st.service_ports.iter().map(|s| (**s).clone()).collect();
+        ports.retain(|s| s.port.name.name != "s3");
+        ports.push(port("new", "10.96.2.1", Protocol::Tcp, &["10.244.99.1"]));
+        st = state(ports);
+        let report = p.sync(&st).expect("sync");
+        assert!(!report.full);
+        let (gone, new) = (tcp_key("10.96.1.3", 80), tcp_key("10.96.2.1", 80));
+        let mut calls = p.ipvs.take_calls();
+        calls.sort_by_key(|c| format!("{c:?}"));
+        let mut want = vec![
+            Call::AddService(virtual_server(&render(&st, &p.opts).virtual_servers[0]).without_stats()),
+            Call::AddDest(new, RealServer::new(ip("10.244.99.1"), 8080, 1)),
+            Call::Dests(gone),
+            Call::DeleteDest(gone, sa("10.244.3.1:8080")),
+            Call::DeleteDest(gone, sa("10.244.3.2:8080")),
+            Call::DeleteDest(gone, sa("10.244.3.3:8080")),
+            Call::DeleteService(gone),
+        ];
+        // The rendered list is sorted by address: find the new one's virtual server.
+        let new_vs = render(&st, &p.opts)
+            .virtual_servers
+            .iter()
+            .find(|v| v.address == ip("10.96.2.1"))
+            .map(virtual_server)
+            .expect("rendered");
+        want[0] = Call::AddService(new_vs);
+        want.sort_by_key(|c| format!("{c:?}"));
+        assert_eq!(calls, want);
+        assert!(p.host.links[DUMMY_DEVICE].contains(&ip("10.96.2.1")));
+        assert!(!p.host.links[DUMMY_DEVICE].contains(&ip("10.96.1.3")));
+
+        // Someone deletes one of our real servers: a sync of changes does not look, the
+        // periodic full sync lists everything and puts it back.
+        let key = tcp_key("10.96.1.5", 80);
+        let vs = p.ipvs.table()[&key].0.clone();
+        p.ipvs
+            .delete_dest(&vs, &RealServer::new(ip("10.244.5.1"), 8080, 1))
+            .expect("deleted behind its back");
+        p.ipvs.take_calls();
+        p.sync(&st).expect("sync");
+        assert!(p.ipvs.calls().is_empty(), "{:?}", p.ipvs.calls());
+        assert_eq!(dests(&p, key).len(), 2);
+        p.force_full_sync();
+        assert!(p.sync(&st).expect("sync").full);
+        assert!(p.ipvs.calls().contains(&Call::Services));
+        assert_eq!(dests(&p, key).len(), 3);
+    }
+
     #[test]
     fn ipsets_are_changed_entry_by_entry_never_flushed() {
         let mut p = proxier();
@@ -810,6 +1110,9 @@ mod tests {
             "unchanged entries untouched: {last}"
         );
         assert!(!last.contains("flush") && !last.contains("destroy") && !last.contains("swap"));
+        // Only the sets that change are named (the ClusterIPs, and the addresses of kube-ipvs0).
+        let named: BTreeSet<&str> = last.lines().filter_map(|l| l.split_whitespace().nth(1)).collect();
+        assert_eq!(named, BTreeSet::from(["KUBE-CLUSTER-IP", "KUBE-IPVS-IPS"]), "{last}");
         assert_eq!(
             p.host.sets["KUBE-CLUSTER-IP"],
             BTreeSet::from(["10.96.0.10,tcp:80".to_string(), "10.96.0.12,tcp:80".to_string()])
@@ -1082,10 +1385,13 @@ mod tests {
             "node addresses are not bound"
         );
 
-        // A second address appears on an interface: the next sync, nothing else new, adds it.
+        // A second address appears on an interface: the next sync, nothing else new, adds it
+        // (as a difference: no listing of the table).
         p.host.other.push(ip("192.168.49.3"));
+        p.ipvs.take_calls();
         let report = p.sync(&st).expect("sync");
-        assert!(report.full);
+        assert!(!report.full);
+        assert!(!p.ipvs.calls().contains(&Call::Services), "{:?}", p.ipvs.calls());
         assert_eq!(node_ports(&p), [ip("192.168.49.2"), ip("192.168.49.3")]);
         assert_eq!(dests(&p, second), vec![(sa("10.244.1.2:8080"), 1)]);
         // An unchanged sync lists again, changes nothing.

@@ -1,0 +1,148 @@
+#!/usr/bin/env python3
+"""Regenerates README's benchmark tables and draws docs/iptables-figures.svg from the JSON the
+benchmarks write (`BENCH_JSON=PATH cargo bench --bench sync`; `benches/run` does both).
+
+Usage: benches/report.py [--readme README.md] [--svg docs/iptables-figures.svg] JSON...
+
+Each JSON file is one benchmark's figures, named by its "bench" field. README holds each
+generated block between `<!-- bench:NAME begin -->` and `<!-- bench:NAME end -->`; a block
+whose JSON is not given stays as it is. Python's standard library only.
+"""
+import argparse
+import json
+import pathlib
+import sys
+
+
+def thousands(v, digits=0):
+    return f"{v:,.{digits}f}"
+
+
+def sync_block(f):
+    """README's table for the `sync` benchmark (iptables mode, one family)."""
+    cold_ratio = f["cold_sync_ms"] / f["floor_ms"]
+    zero_ratio = f["zero_p50_ms"] / f["change_p50_ms"]
+    lines = [
+        f"**Programming a node**, {thousands(f['services'])} Services × {f['endpoints']} endpoints,"
+        f" `sudo benches/run` ({f['iptables']}; load average {f['load_average_start']:g} at the"
+        f" start, {f['load_average_end']:g} at the end: other work on the 2 cores slows every"
+        " figure):",
+        "",
+        "| step | time | peak RSS |",
+        "|---|---|---|",
+        f"| full render (model → restore input) | {thousands(f['render_ms'])} ms | |",
+        f"| cold full sync by the daemon's proxier, fresh namespace (median of {f['reps']})"
+        f" | {thousands(f['cold_sync_ms'])} ms ({cold_ratio:.2f}× the floor)"
+        f" | largest child {f['child_peak_mib']} MiB |",
+        f"| periodic full re-sync on the loaded tables | {thousands(f['full_resync_ms'])} ms | |",
+        f"| one endpoint change made live by a partial sync, p50 / p99 of {f['changes']}"
+        f" | {thousands(f['change_p50_ms'])} ms / {thousands(f['change_p99_ms'])} ms | |",
+        f"| a Service to zero endpoints or back, p50 / p99 of {f['zero_changes']}"
+        f" | {thousands(f['zero_p50_ms'])} ms / {thousands(f['zero_p99_ms'])} ms"
+        f" ({zero_ratio:.2f}× an endpoint change) | |",
+        f"| `iptables-restore` alone on the whole input in one flush-mode run, fresh namespace"
+        f" (the floor; median of {f['reps']}) | {thousands(f['floor_ms'])} ms"
+        f" | {f['floor_peak_mib']} MiB |",
+        "",
+        "![iptables mode: cold sync, changes and peak memory](docs/iptables-figures.svg)",
+    ]
+    return "\n".join(lines)
+
+
+BLOCKS = {"sync": sync_block}
+
+
+def replace_block(text, name, body):
+    begin, end = f"<!-- bench:{name} begin -->", f"<!-- bench:{name} end -->"
+    try:
+        start = text.index(begin) + len(begin)
+        stop = text.index(end, start)
+    except ValueError:
+        sys.exit(f"README has no {begin} … {end} block")
+    return text[:start] + "\n" + body + "\n" + text[stop:]
+
+
+def bar_panel(x0, title, unit, bars):
+    """One panel of the SVG: `bars` is [(label, value, colour)], scaled to the largest."""
+    width, height, top = 260, 170, 40
+    top_value = max(v for _, v, _ in bars) or 1
+    out = [
+        f'<text x="{x0 + width / 2}" y="20" text-anchor="middle" font-size="13">{title}</text>',
+        f'<line x1="{x0 + 30}" y1="{top + height}" x2="{x0 + width}" y2="{top + height}" stroke="#333"/>',
+        f'<text x="{x0 + 8}" y="{top + height / 2}" font-size="10" '
+        f'transform="rotate(-90 {x0 + 8} {top + height / 2})" text-anchor="middle">{unit}</text>',
+    ]
+    slot = (width - 40) / len(bars)
+    for i, (label, value, colour) in enumerate(bars):
+        h = height * value / top_value
+        x = x0 + 40 + i * slot
+        out.append(
+            f'<rect x="{x:.1f}" y="{top + height - h:.1f}" width="{slot * 0.7:.1f}" height="{h:.1f}" fill="{colour}"/>'
+        )
+        out.append(
+            f'<text x="{x + slot * 0.35:.1f}" y="{top + height - h - 4:.1f}" font-size="10" '
+            f'text-anchor="middle">{value:,.0f}</text>'
+        )
+        out.append(
+            f'<text x="{x + slot * 0.35:.1f}" y="{top + height + 14}" font-size="10" '
+            f'text-anchor="middle">{label}</text>'
+        )
+    return out
+
+
+def sync_svg(f):
+    ours, tool = "#3b7dd8", "#999999"
+    panels = [
+        ("full sync", "s", [
+            ("cold", f["cold_sync_ms"] / 1000, ours),
+            ("re-sync", f["full_resync_ms"] / 1000, ours),
+            ("floor", f["floor_ms"] / 1000, tool),
+        ]),
+        ("changes (p50 / p99)", "ms", [
+            ("ep p50", f["change_p50_ms"], ours),
+            ("ep p99", f["change_p99_ms"], ours),
+            ("zero p50", f["zero_p50_ms"], ours),
+            ("zero p99", f["zero_p99_ms"], ours),
+        ]),
+        ("peak RSS of a child", "MiB", [
+            ("ours", f["child_peak_mib"], ours),
+            ("floor", f["floor_peak_mib"], tool),
+        ]),
+    ]
+    body = []
+    for i, (title, unit, bars) in enumerate(panels):
+        body += bar_panel(10 + i * 280, title, unit, bars)
+    caption = (
+        f"iptables mode, {f['services']:,} Services × {f['endpoints']} endpoints"
+        f" (benches/run; grey: iptables-restore alone)"
+    )
+    body.append(f'<text x="430" y="250" text-anchor="middle" font-size="11">{caption}</text>')
+    return (
+        '<svg xmlns="http://www.w3.org/2000/svg" width="860" height="262" '
+        'font-family="sans-serif">\n<rect width="860" height="262" fill="white"/>\n'
+        + "\n".join(body)
+        + "\n</svg>\n"
+    )
+
+
+def main():
+    args = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    args.add_argument("--readme", default="README.md")
+    args.add_argument("--svg", default="docs/iptables-figures.svg")
+    args.add_argument("json", nargs="+")
+    opts = args.parse_args()
+    readme = pathlib.Path(opts.readme)
+    text = readme.read_text()
+    for path in opts.json:
+        figures = json.loads(pathlib.Path(path).read_text())
+        name = figures.get("bench")
+        if name not in BLOCKS:
+            sys.exit(f"{path}: no README block for bench {name!r}")
+        text = replace_block(text, name, BLOCKS[name](figures))
+        if name == "sync":
+            pathlib.Path(opts.svg).write_text(sync_svg(figures))
+    readme.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

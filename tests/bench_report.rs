@@ -1,0 +1,41 @@
+//! README's benchmark tables and `docs/iptables-figures.svg` are what `benches/report.py` makes
+//! of the JSON in `docs/bench/` (the one benchmark command, `benches/run`, writes both): no
+//! figure there is copied by hand, or left behind by a newer run.
+
+mod common;
+
+/// The report regenerated into a scratch copy changes nothing.
+fn readme_and_plot_are_regenerated_from_the_committed_json() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let scratch = std::env::temp_dir().join(format!("kp-bench-report-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch).expect("scratch dir");
+    let (readme, svg) = (scratch.join("README.md"), scratch.join("figures.svg"));
+    std::fs::copy(root.join("README.md"), &readme).expect("copy README");
+    let status = std::process::Command::new("python3")
+        .arg(root.join("benches/report.py"))
+        .arg("--readme")
+        .arg(&readme)
+        .arg("--svg")
+        .arg(&svg)
+        .arg(root.join("docs/bench/sync.json"))
+        .status()
+        .expect("python3 runs");
+    let regenerated = std::fs::read_to_string(&readme).expect("README");
+    let drawn = std::fs::read_to_string(&svg).expect("svg");
+    let _ = std::fs::remove_dir_all(&scratch);
+    assert!(status.success(), "benches/report.py failed");
+    let committed = std::fs::read_to_string(root.join("README.md")).expect("README");
+    assert!(
+        regenerated == committed,
+        "README's benchmark tables differ from benches/report.py's: run it"
+    );
+    let plot = std::fs::read_to_string(root.join("docs/iptables-figures.svg")).expect("svg");
+    assert_eq!(
+        drawn, plot,
+        "docs/iptables-figures.svg differs from benches/report.py's"
+    );
+}
+
+common::harness::main! {
+    &[Tool("python3")] => readme_and_plot_are_regenerated_from_the_committed_json;
+}
