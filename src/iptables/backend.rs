@@ -118,6 +118,11 @@ pub trait Tools {
     /// The standard output of `program args…`; empty when it fails (a backend the kernel does
     /// not have reports nothing, which is what it holds).
     fn output(&mut self, program: &str, args: &[&str]) -> String;
+    /// Whether chain `chain` of nft table `ip <table>` exists, asked without the tools (which
+    /// fetch the whole ruleset first); `None` where that cannot be asked.
+    fn nft_chain_exists(&mut self, _table: &str, _chain: &str) -> Option<bool> {
+        None
+    }
 }
 
 /// The first of kubelet's chains that an `iptables-save` output declares.
@@ -193,18 +198,19 @@ pub fn detect(tools: &mut dyn Tools) -> Detection {
 }
 
 /// The backend a running iptables or IPVS mode daemon programs, for `kube-proxy explain`,
-/// which reads what is there: the nft backend when its mangle table (small, and cheap to ask)
-/// holds kube-proxy's canary chain, else what [`detect`] chooses, as the daemon did. (Its full
-/// dumps are what is slow on a node with 10^5 rules; legacy is never asked for one table.)
+/// which reads what is there: the nft backend when its mangle table holds kube-proxy's canary
+/// chain (asked over netlink; where that cannot be asked, from a dump of that table), else
+/// what [`detect`] chooses, as the daemon did. (Full dumps are what is slow on a node with
+/// 10^5 rules; iptables-nft fetches the whole ruleset even for one table.)
 pub fn in_use(tools: &mut dyn Tools) -> Backend {
-    let save = Backend::Nft.tool(IpFamily::V4, "-save");
-    if tools.installed(&save) {
-        let mangle = tools.output(&save, &["-t", "mangle"]);
+    let canary_in_nft = tools.nft_chain_exists("mangle", KUBE_PROXY_CANARY).unwrap_or_else(|| {
+        let save = Backend::Nft.tool(IpFamily::V4, "-save");
         let declares =
             |line: &str| line.strip_prefix(':').and_then(|r| r.split_whitespace().next()) == Some(KUBE_PROXY_CANARY);
-        if mangle.lines().any(declares) {
-            return Backend::Nft;
-        }
+        tools.installed(&save) && tools.output(&save, &["-t", "mangle"]).lines().any(declares)
+    });
+    if canary_in_nft {
+        return Backend::Nft;
     }
     detect(tools).backend
 }
@@ -222,6 +228,12 @@ impl Tools for Host {
             Ok(out) if out.status.success() => out.stdout,
             _ => String::new(),
         }
+    }
+
+    fn nft_chain_exists(&mut self, table: &str, chain: &str) -> Option<bool> {
+        crate::nftables::netlink::NftSocket::new()
+            .and_then(|mut s| s.chain_exists(IpFamily::V4, table, chain))
+            .ok()
     }
 }
 
