@@ -231,6 +231,41 @@ fn an_invalid_op_fails_the_whole_batch_and_is_named() {
     assert!(!sock.table_exists(IpFamily::V4).expect("table_exists"));
 }
 
+/// A chain of another table (iptables-nft's `mangle`, where kube-proxy's canary says the nft
+/// backend is in use) is found by name, and neither a missing chain nor a missing table is.
+fn another_tables_chain_is_found_by_name() {
+    let ns = netns("chain");
+    let mut sock = socket_in(&ns);
+    assert!(
+        !sock
+            .chain_exists(IpFamily::V4, "mangle", "KUBE-PROXY-CANARY")
+            .expect("no table")
+    );
+    let (ok, out) = ns
+        .exec_with_input(
+            "nft",
+            ["-f", "-"],
+            "add table ip mangle\nadd chain ip mangle KUBE-PROXY-CANARY\n",
+        )
+        .expect("nft runs");
+    assert!(ok, "{out}");
+    assert!(
+        sock.chain_exists(IpFamily::V4, "mangle", "KUBE-PROXY-CANARY")
+            .expect("chain")
+    );
+    assert!(
+        !sock
+            .chain_exists(IpFamily::V4, "mangle", "KUBE-KUBELET-CANARY")
+            .expect("other chain")
+    );
+    assert!(
+        !sock
+            .chain_exists(IpFamily::V6, "mangle", "KUBE-PROXY-CANARY")
+            .expect("other family")
+    );
+    assert!(!sock.table_exists(IpFamily::V4).expect("not our table"));
+}
+
 /// A batch of tens of MB (one `send`), then a one-element change on the loaded table.
 fn a_large_batch_goes_in_one_send() {
     let ns = netns("big");
@@ -612,6 +647,7 @@ common::harness::main! {
     &[Root, Tool("ip"), Tool("nft")] =>
         every_shape_lists_identically_both_ways,
         an_invalid_op_fails_the_whole_batch_and_is_named,
+        another_tables_chain_is_found_by_name,
         a_large_batch_goes_in_one_send,
         every_scenario_lists_identically_both_ways,
         every_scenario_reads_back_over_netlink;
