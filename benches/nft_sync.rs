@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 use kube_proxy::config::LocalDetector;
 use kube_proxy::model::{IpFamily, ProxyState, synthetic};
 use kube_proxy::nftables::ast::Transaction;
+use kube_proxy::nftables::backend::TableObjects;
 use kube_proxy::nftables::proxier::{NftBackend, NftCommand, NftError, NftProxier};
 use kube_proxy::nftables::render_transaction;
 use kube_proxy::proxy::RenderOptions;
@@ -62,6 +63,9 @@ impl NftBackend for Capture {
     fn table_exists(&mut self, _: IpFamily) -> Result<bool, NftError> {
         Ok(true)
     }
+    fn objects(&mut self, _: IpFamily) -> Result<Option<TableObjects>, NftError> {
+        Ok(None)
+    }
 }
 
 /// Measures the time spent in the backend (the kernel, or `nft`) apart from ours.
@@ -76,6 +80,15 @@ impl NftBackend for Timed {
     }
     fn table_exists(&mut self, family: IpFamily) -> Result<bool, NftError> {
         self.0.table_exists(family)
+    }
+    fn objects(&mut self, family: IpFamily) -> Result<Option<TableObjects>, NftError> {
+        self.0.objects(family)
+    }
+    fn apply_parts(&mut self, family: IpFamily, parts: &mut dyn Iterator<Item = Transaction>) -> Result<(), NftError> {
+        let t = Instant::now();
+        let r = self.0.apply_parts(family, parts);
+        *self.1.lock().expect("timer") += t.elapsed();
+        r
     }
 }
 
@@ -101,7 +114,7 @@ fn kernel_floor(state: &ProxyState) {
                 set: set.into(),
                 element: Element {
                     key: key.clone(),
-                    value: value.clone(),
+                    value: value.clone().map(Into::into),
                     comment: None,
                 },
             });

@@ -37,6 +37,20 @@ fn web(eps: &[Ep]) -> String {
     manifests(&[svc])
 }
 
+/// [`web`] with ClientIP session affinity (a chain per endpoint in nftables mode too).
+fn web_with_affinity(eps: &[Ep]) -> String {
+    let mut svc = ServiceSpec::new("web", CLUSTER_IP, eps);
+    svc.node_port = Some(NODE_PORT);
+    svc.spec_extra = "  sessionAffinity: ClientIP\n";
+    manifests(&[svc])
+}
+
+/// Whether the rules name endpoint `ep`: `IP:PORT` in a DNAT (iptables, and nftables endpoint
+/// chains), `IP . PORT` in an element of nftables' `service-endpoints-…` maps.
+fn names_endpoint(rules: &str, ep: SocketAddr) -> bool {
+    rules.contains(&ep.to_string()) || rules.contains(&format!("{} . {}", ep.ip(), ep.port()))
+}
+
 struct Cluster {
     bed: Testbed,
     dir: ManifestDir,
@@ -182,7 +196,7 @@ fn scaling_to_four_endpoints_goes_live(mode: &'static str) {
     let changed = Instant::now();
     c.dir.write(&web(&all));
     wait_until(Duration::from_secs(10), "the new endpoint's DNAT", || {
-        c.rules().contains(&new.to_string())
+        names_endpoint(&c.rules(), new)
     });
     println!("file change → new endpoint's rules live: {:?}", changed.elapsed());
     let report = c.probe_client(&ProbeArgs::tcp(cip(80)).with_count(100));
@@ -493,16 +507,17 @@ fn a_flushed_nat_table_is_repaired_within_the_sync_period() {
 }
 
 /// nftables mode: a removed endpoint's chain is flushed at once and deleted a second later
-/// without any further change; a deleted table is rebuilt within the sync period.
+/// without any further change; a deleted table is rebuilt within the sync period. (Endpoint
+/// chains exist for ClientIP affinity; other Services choose endpoints by map elements.)
 fn nftables_deletes_stale_chains_later_and_rebuilds_a_deleted_table() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let c = Cluster::start_in("nftables", "nftstale", 2, |b| {
-        web(&b.endpoints().iter().map(|e| local(e.ip)).collect::<Vec<_>>())
+        web_with_affinity(&b.endpoints().iter().map(|e| local(e.ip)).collect::<Vec<_>>())
     });
     let gone = c.bed.endpoint(1).server_addr();
     let chain_of_gone = format!("__{}/{}", gone.ip(), gone.port());
     assert!(c.rules().contains(&chain_of_gone), "{}", c.rules());
-    c.dir.write(&web(&[local(c.bed.endpoint(0).ip)]));
+    c.dir.write(&web_with_affinity(&[local(c.bed.endpoint(0).ip)]));
     let changed = Instant::now();
     wait_until(Duration::from_secs(10), "the removed endpoint's DNAT gone", || {
         !c.rules().contains(&format!("dnat to {gone}"))

@@ -3,6 +3,7 @@
 //! chains and affinity sets named `PREFIX-HASH8-ns/name/proto/port[__ip/port]`
 //! (`hashAndTruncate`, `servicePortChainNameBase`, `servicePortEndpointChainNameBase`).
 
+use crate::model::Protocol;
 use std::net::IpAddr;
 
 use data_encoding::BASE32;
@@ -28,12 +29,49 @@ pub const SERVICE_NODEPORTS: &str = "service-nodeports";
 pub const NODEPORT_IPS: &str = "nodeport-ips";
 pub const CLUSTER_IPS: &str = "cluster-ips";
 
-// Services without endpoints.
+// Services without endpoints: `drop` verdicts in the maps, rejects by the sets (plain
+// elements: no verdict element with a jump, which would make the kernel validate the table).
 pub const SERVICE_ENDPOINTS_CHECK: &str = "service-endpoints-check";
 pub const NODEPORT_ENDPOINTS_CHECK: &str = "nodeport-endpoints-check";
 pub const NO_ENDPOINT_SERVICES: &str = "no-endpoint-services";
 pub const NO_ENDPOINT_NODEPORTS: &str = "no-endpoint-nodeports";
+pub const REJECT_SERVICES: &str = "reject-services";
+pub const REJECT_NODEPORTS: &str = "reject-nodeports";
+/// Upstream's helper chain for rejects; we create none, but delete one left by an earlier
+/// layout (or by upstream's kube-proxy).
 pub const REJECT_CHAIN: &str = "reject-chain";
+
+// Endpoint selection without a chain per endpoint.
+/// `numgen` number → endpoint `address . port` (see `blocks`), one map per protocol: nft 1.0.6
+/// cannot re-read a rule whose `dnat` takes its port from a map typed `th dport` (it reports
+/// "conflicting protocols"), so each map's data is typed by its protocol's `dport`.
+pub const SERVICE_ENDPOINTS_TCP: &str = "service-endpoints-tcp";
+pub const SERVICE_ENDPOINTS_UDP: &str = "service-endpoints-udp";
+pub const SERVICE_ENDPOINTS_SCTP: &str = "service-endpoints-sctp";
+/// Every `service-endpoints-…` map, with its protocol.
+pub const SERVICE_ENDPOINTS_MAPS: [(&str, Protocol); 3] = [
+    (SERVICE_ENDPOINTS_TCP, Protocol::Tcp),
+    (SERVICE_ENDPOINTS_UDP, Protocol::Udp),
+    (SERVICE_ENDPOINTS_SCTP, Protocol::Sctp),
+];
+
+/// The `service-endpoints-…` map of a protocol.
+pub fn service_endpoints(protocol: Protocol) -> &'static str {
+    match protocol {
+        Protocol::Tcp => SERVICE_ENDPOINTS_TCP,
+        Protocol::Udp => SERVICE_ENDPOINTS_UDP,
+        Protocol::Sctp => SERVICE_ENDPOINTS_SCTP,
+    }
+}
+
+/// Whether `name` is one of the `service-endpoints-…` maps.
+pub fn is_service_endpoints(name: &str) -> bool {
+    SERVICE_ENDPOINTS_MAPS.iter().any(|(m, _)| *m == name)
+}
+
+/// `endpoint . endpoint` of every endpoint chosen through a `service-endpoints-…` map: a
+/// connection DNATed to its own source is masqueraded (hairpin).
+pub const HAIRPIN_ENDPOINTS: &str = "hairpin-endpoints";
 
 /// Traffic to unallocated ClusterIPs and undefined ports of ClusterIPs.
 pub const CLUSTER_IPS_CHECK: &str = "cluster-ips-check";

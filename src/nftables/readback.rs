@@ -1,11 +1,12 @@
 //! Reading back one service port's objects from the `kube-proxy` table: its chains (and the
-//! endpoint chains they lead to) and its elements in the dispatch maps, as `nft list` prints
-//! them. The listing itself is the backend's ([`super::proxier::NftBackend::list`]); what to
+//! endpoint chains they lead to), its elements in the dispatch maps and sets, and its
+//! endpoints' intervals in `service-endpoints-…` (the numbers its chains' `numgen` draws), as
+//! `nft list` prints them. The listing itself is the backend's ([`super::proxier::NftBackend::list`]); what to
 //! list and how to pick the port's lines out of a listing is here, pure.
 
 use super::names::{
-    ENDPOINT_PREFIX, FIREWALL_IPS, NO_ENDPOINT_NODEPORTS, NO_ENDPOINT_SERVICES, SERVICE_IPS, SERVICE_NODEPORTS,
-    ServicePortChains,
+    ENDPOINT_PREFIX, FIREWALL_IPS, NO_ENDPOINT_NODEPORTS, NO_ENDPOINT_SERVICES, REJECT_NODEPORTS, REJECT_SERVICES,
+    SERVICE_ENDPOINTS_MAPS, SERVICE_IPS, SERVICE_NODEPORTS, ServicePortChains,
 };
 use crate::model::ServicePort;
 
@@ -14,6 +15,7 @@ use crate::model::ServicePort;
 pub enum NftObject {
     Chain(String),
     Map(String),
+    Set(String),
 }
 
 impl NftObject {
@@ -22,12 +24,13 @@ impl NftObject {
         match self {
             NftObject::Chain(_) => "chain",
             NftObject::Map(_) => "map",
+            NftObject::Set(_) => "set",
         }
     }
 
     pub fn name(&self) -> &str {
         match self {
-            NftObject::Chain(n) | NftObject::Map(n) => n,
+            NftObject::Chain(n) | NftObject::Map(n) | NftObject::Set(n) => n,
         }
     }
 }
@@ -36,6 +39,44 @@ impl NftObject {
 pub const DISPATCH_MAPS: [&str; 5] = [
     SERVICE_IPS, SERVICE_NODEPORTS, NO_ENDPOINT_SERVICES, NO_ENDPOINT_NODEPORTS, FIREWALL_IPS,
 ];
+
+/// The maps and sets that hold a service port's elements: the dispatch maps, the reject
+/// sets, and the endpoints' intervals.
+pub fn dispatch_objects() -> Vec<NftObject> {
+    let endpoints = SERVICE_ENDPOINTS_MAPS.map(|(m, _)| m);
+    let maps = DISPATCH_MAPS
+        .iter()
+        .chain(&endpoints)
+        .map(|m| NftObject::Map(m.to_string()));
+    let sets = [REJECT_SERVICES, REJECT_NODEPORTS].map(|s| NftObject::Set(s.to_string()));
+    maps.chain(sets).collect()
+}
+
+/// The numbers (first, last) that rule lines draw with `numgen random mod M [offset O]`
+/// to look up in `service-endpoints`.
+pub fn numgen_blocks(lines: &[String]) -> Vec<(u32, u32)> {
+    let mut out = Vec::new();
+    let looks_up = |l: &String| {
+        SERVICE_ENDPOINTS_MAPS
+            .iter()
+            .any(|(m, _)| l.ends_with(&format!("map @{m}")))
+    };
+    for line in lines.iter().filter(|l| looks_up(l)) {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let after = |key: &str| {
+            words
+                .iter()
+                .position(|w| *w == key)
+                .and_then(|i| words.get(i + 1))
+                .and_then(|w| w.parse::<u32>().ok())
+        };
+        if let Some(modulus) = after("mod").filter(|m| *m > 0) {
+            let offset = after("offset").unwrap_or(0);
+            out.push((offset, offset.saturating_add(modulus - 1)));
+        }
+    }
+    out
+}
 
 /// The chains of `port` that exist in every layout (the endpoint chains come from what they
 /// jump to, see [`endpoint_chains`]).
@@ -79,12 +120,17 @@ pub fn map_elements(listing: &str) -> Vec<String> {
         .collect()
 }
 
-/// Whether a map element belongs to `port`: its key is one of the port's addresses and ports,
-/// or its verdict leads to one of the port's chains.
-pub fn element_of(element: &str, port: &ServicePort, chains: &[String]) -> bool {
+/// Whether a map or set element belongs to `port`: its key is one of the port's addresses
+/// and ports, its verdict leads to one of the port's chains, or it is an interval of numbers
+/// within one of the port's `blocks` (see [`numgen_blocks`]).
+pub fn element_of(element: &str, port: &ServicePort, chains: &[String], blocks: &[(u32, u32)]) -> bool {
     let (key, verdict) = element.split_once(" : ").unwrap_or((element, ""));
     if verdict.split_whitespace().any(|w| chains.iter().any(|c| c == w)) {
         return true;
+    }
+    let (lo, hi) = key.trim().split_once('-').unwrap_or((key.trim(), key.trim()));
+    if let (Ok(lo), Ok(hi)) = (lo.parse::<u32>(), hi.parse::<u32>()) {
+        return blocks.iter().any(|(a, b)| *a <= lo && hi <= *b);
     }
     let proto = port.protocol.lower();
     let addresses = std::iter::once(&port.cluster_ip)
@@ -125,13 +171,35 @@ mod tests {
         );
         let elements = map_elements(&listing);
         assert_eq!(elements.len(), 2);
-        let ours: Vec<&String> = elements.iter().filter(|e| element_of(e, &port, &chains)).collect();
+        let ours: Vec<&String> = elements.iter().filter(|e| element_of(e, &port, &chains, &[])).collect();
         assert_eq!(ours.len(), 1);
         assert!(ours[0].starts_with("10.96.165.10 . tcp . 80"));
         assert!(
-            element_of("tcp . 32517 : goto external-Y", &port, &chains),
+            element_of("tcp . 32517 : goto external-Y", &port, &chains, &[]),
             "by NodePort key"
         );
+
+        // Endpoints chosen through service-endpoints-tcp: the intervals of the chain's block.
+        let lines = chain_lines(
+            "table ip kube-proxy {\n\tchain service-A {\n\t\tmeta l4proto tcp dnat ip to numgen random mod 55440 offset 110880 map @service-endpoints-tcp\n\t}\n}\n",
+        );
+        let blocks = numgen_blocks(&lines);
+        assert_eq!(blocks, vec![(110880, 166319)]);
+        let listing = "table ip kube-proxy {\n\tmap service-endpoints-tcp {\n\t\ttypeof numgen random mod 55440 : ip daddr . tcp dport\n\t\tflags interval\n\t\t\
+             elements = { 0-55439 : 10.0.0.1 . 80, 110880-138599 : 10.244.1.5 . 8080,\n\t\t\t     138600-166319 : 10.244.2.7 . 8080 }\n\t}\n}\n";
+        let ours: Vec<String> = map_elements(listing)
+            .into_iter()
+            .filter(|e| element_of(e, &port, &chains, &blocks))
+            .collect();
+        assert_eq!(
+            ours,
+            vec!["110880-138599 : 10.244.1.5 . 8080", "138600-166319 : 10.244.2.7 . 8080"]
+        );
+        assert_eq!(
+            numgen_blocks(&["dnat ip to numgen random mod 55440 map @service-endpoints-udp".into()]),
+            vec![(0, 55439)]
+        );
+        assert!(dispatch_objects().contains(&NftObject::Set(REJECT_SERVICES.into())));
 
         let chain = "table ip kube-proxy {\n\tchain service-A {\n\t\tnumgen random mod 2 vmap { 0 : goto endpoint-B, 1 : goto endpoint-C }\n\t}\n}\n";
         let lines = chain_lines(chain);

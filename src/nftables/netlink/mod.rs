@@ -19,6 +19,7 @@
 
 mod encode;
 mod expr;
+mod objects;
 mod socket;
 mod wire;
 
@@ -26,6 +27,7 @@ mod wire;
 mod fixtures;
 
 pub use encode::{
-    AnonSetNames, CheckError, EncodedBatch, MAX_COMMENT, check, encode, encode_with, key_bytes, with_process_names,
+    AnonSetNames, BatchEncoder, CheckError, EncodedBatch, MAX_COMMENT, check, encode, encode_with, key_bytes,
+    set_signature, with_process_names,
 };
 pub use socket::{NetlinkError, NftSocket, OpFailure, Reply, parse_replies};

@@ -17,8 +17,9 @@ use nix::sys::socket::{setsockopt, sockopt};
 use super::encode::{self, AnonSetNames, CheckError, EncodedBatch};
 use super::wire::*;
 use crate::model::IpFamily;
-use crate::netlink::{self, MsgBuf, NLM_F_ACK, NLM_F_REQUEST, NLMSG_DONE, NLMSG_ERROR};
+use crate::netlink::{self, MsgBuf, NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST, NLMSG_DONE, NLMSG_ERROR};
 use crate::nftables::ast::Transaction;
+use crate::nftables::backend::TableObjects;
 use crate::nftables::names::TABLE;
 
 /// Receive buffer to start with; raised for big batches (errors come one datagram per failed
@@ -205,10 +206,67 @@ impl NftSocket {
             Names::Own(names) => encode::encode_with(tx, first_seq, names),
         };
         self.seq = batch.end_seq().wrapping_add(1);
-        self.send_batch(tx, &batch)
+        let describe = |i: usize| tx.ops.get(i).map(|op| op_text(tx.family, op));
+        self.send_batch(tx.family, &batch, &describe)
     }
 
-    fn send_batch(&mut self, tx: &Transaction, batch: &EncodedBatch) -> Result<(), NetlinkError> {
+    /// Applies the transactions `parts` yields as one batch, encoding each as it comes (so
+    /// that the caller never holds all of them): all of it, or (on error) none of it. A
+    /// refused op is named by its part and its index there, and its text when the part was
+    /// the first (later parts are gone by then).
+    pub fn apply_parts(
+        &mut self,
+        family: IpFamily,
+        parts: &mut dyn Iterator<Item = Transaction>,
+    ) -> Result<(), NetlinkError> {
+        let first_seq = self.seq;
+        // This batch's own counter, moved past what the process-wide one had handed out, and
+        // the other way round afterwards (anonymous sets only need names unique per table).
+        let mut names = match &self.names {
+            Names::Process => encode::with_process_names(|n| AnonSetNames::starting_at(n.peek())),
+            Names::Own(n) => n.clone(),
+        };
+        let mut starts: Vec<usize> = Vec::new();
+        let mut first: Option<Transaction> = None;
+        let mut enc = encode::BatchEncoder::new(family, first_seq, &mut names, 1 << 20);
+        for part in parts {
+            encode::check(&part).map_err(|mut e| {
+                e.text = format!("part {}, {}", starts.len(), e.text);
+                e.index += enc.ops();
+                e
+            })?;
+            starts.push(enc.ops());
+            enc.push(&part);
+            if first.is_none() {
+                first = Some(part);
+            }
+        }
+        let batch = enc.finish();
+        match &mut self.names {
+            Names::Process => encode::with_process_names(|n| n.advance_to(names.peek())),
+            Names::Own(n) => *n = names,
+        }
+        if batch.messages() == 0 {
+            return Ok(());
+        }
+        self.seq = batch.end_seq().wrapping_add(1);
+        let describe = |i: usize| {
+            let part = starts.partition_point(|&s| s <= i).saturating_sub(1);
+            let at = i - starts.get(part).copied().unwrap_or(0);
+            match (part, &first) {
+                (0, Some(tx)) => tx.ops.get(at).map(|op| op_text(family, op)),
+                _ => Some(format!("part {part}, op {at}")),
+            }
+        };
+        self.send_batch(family, &batch, &describe)
+    }
+
+    fn send_batch(
+        &mut self,
+        family: IpFamily,
+        batch: &EncodedBatch,
+        describe: &dyn Fn(usize) -> Option<String>,
+    ) -> Result<(), NetlinkError> {
         self.raise_sndbuf(batch.bytes.len())
             .map_err(io_err("raising SO_SNDBUF (SO_SNDBUFFORCE)"))?;
         self.raise_rcvbuf(batch.messages().saturating_mul(RCVBUF_PER_MESSAGE))
@@ -233,14 +291,7 @@ impl NftSocket {
                 return;
             }
             let index = batch.op_index(seq);
-            let op = match index.and_then(|i| tx.ops.get(i)) {
-                Some(op) => {
-                    let mut text = String::new();
-                    op.write_text(tx.family, &mut text);
-                    text.trim_end().to_string()
-                }
-                None => "batch".to_string(),
-            };
+            let op = index.and_then(describe).unwrap_or_else(|| "batch".to_string());
             failures.push(OpFailure {
                 index,
                 op,
@@ -256,7 +307,7 @@ impl NftSocket {
         };
         if !failures.is_empty() || lost {
             return Err(NetlinkError::Rejected {
-                family: tx.family,
+                family,
                 messages: batch.messages(),
                 failures,
                 lost,
@@ -264,11 +315,81 @@ impl NftSocket {
         }
         if !acked {
             return Err(NetlinkError::NoReply {
-                family: tx.family,
+                family,
                 messages: batch.messages(),
             });
         }
         Ok(())
+    }
+
+    /// The chains and named sets of the family's `kube-proxy` table (`GETCHAIN` and `GETSET`
+    /// dumps); `None` when there is no table.
+    pub fn objects(&mut self, family: IpFamily) -> io::Result<Option<TableObjects>> {
+        if !self.table_exists(family)? {
+            return Ok(None);
+        }
+        let mut objects = TableObjects::default();
+        self.dump(family, NFT_MSG_GETCHAIN, false, &mut |attrs| {
+            if let Some(c) = super::objects::chain(attrs) {
+                objects.chains.push(c);
+            }
+        })?;
+        self.dump(family, NFT_MSG_GETSET, true, &mut |attrs| {
+            if let Some(s) = super::objects::set(attrs) {
+                objects.sets.push(s);
+            }
+        })?;
+        Ok(Some(objects))
+    }
+
+    /// A dump request (with our table's name when `with_table`), each reply message's
+    /// attributes handed to `each` until the kernel says it is done.
+    fn dump(&mut self, family: IpFamily, msg: u16, with_table: bool, each: &mut dyn FnMut(&[u8])) -> io::Result<()> {
+        self.seq = self.seq.wrapping_add(1);
+        let seq = self.seq;
+        let mut b = MsgBuf::default();
+        let m = b.begin_msg(
+            nft_type(msg),
+            NLM_F_REQUEST | NLM_F_DUMP,
+            seq,
+            &nfgenmsg(encode::nfproto(family), 0),
+        );
+        if with_table {
+            // NFTA_SET_TABLE (a set dump filters by table).
+            b.put_str(1, TABLE);
+        }
+        b.end_msg(m);
+        self.drain(|_| {})?;
+        self.send(&b.buf)?;
+        loop {
+            let n = netlink::recv(&self.socket, &mut self.buf, 0)?;
+            let mut done = false;
+            let mut error = None;
+            for m in netlink::messages(&self.buf[..n.min(self.buf.len())]).map_while(Result::ok) {
+                if m.seq != seq {
+                    continue;
+                }
+                match m.msg_type {
+                    NLMSG_DONE => done = true,
+                    NLMSG_ERROR => {
+                        if let Ok(e) = netlink::parse_error(&m)
+                            && e.errno != 0
+                        {
+                            error = Some(e.errno);
+                        }
+                        done = true;
+                    }
+                    // After the nfgenmsg header, the attributes.
+                    _ => each(m.payload.get(4..).unwrap_or_default()),
+                }
+            }
+            if let Some(errno) = error {
+                return Err(io::Error::from_raw_os_error(errno.saturating_abs()));
+            }
+            if done {
+                return Ok(());
+            }
+        }
     }
 
     /// Whether `table <family> kube-proxy` exists (NFT_MSG_GETTABLE).
@@ -321,6 +442,13 @@ impl NftSocket {
             }
         })
     }
+}
+
+/// An op's `nft -f` line, for an error.
+fn op_text(family: IpFamily, op: &crate::nftables::ast::Op) -> String {
+    let mut text = String::new();
+    op.write_text(family, &mut text);
+    text.trim_end().to_string()
 }
 
 /// One netlink message of a reply.
