@@ -11,9 +11,11 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use common::harness::{Requirement, test};
+use common::load::{StopOnDrop, connect_until};
 use common::{ManifestDir, wait_until};
 use kube_proxy::lab::netns::ChildGuard;
 use kube_proxy::lab::probe::{ProbeArgs, ProbeReport};
@@ -96,6 +98,12 @@ impl Cluster {
     }
 
     fn start_daemon(&mut self) {
+        let daemon = self.spawn_daemon();
+        self.daemon = Some(daemon);
+    }
+
+    /// Starts the daemon in `self.mode` and waits for its first sync.
+    fn spawn_daemon(&self) -> ChildGuard {
         let mut args: Vec<String> = [
             "--hostname-override=node-a",
             "--manifests",
@@ -127,7 +135,31 @@ impl Cluster {
         daemon
             .wait_for_log("Synced rules", Duration::from_secs(20))
             .expect("first sync");
-        self.daemon = Some(daemon);
+        daemon
+    }
+
+    /// iptables mode's rules in nat, filter and mangle, as `iptables-save` lines (kubelet's
+    /// KUBE-FIREWALL, which iptables mode also writes, is not removed on a switch).
+    fn iptables_mode_rules(&self) -> Vec<String> {
+        let mangle = self
+            .bed
+            .node
+            .exec_ok("iptables-save", ["-t", "mangle"])
+            .expect("iptables-save");
+        format!("{}{}{mangle}", self.nat(), self.filter())
+            .lines()
+            .filter(|l| l.contains("KUBE-") && !l.contains("KUBE-FIREWALL"))
+            .map(str::to_string)
+            .collect()
+    }
+
+    /// Whether nftables mode's table is there.
+    fn nftables_table(&self) -> bool {
+        self.bed
+            .node
+            .exec_ok("nft", ["list", "tables"])
+            .expect("nft list tables")
+            .contains("kube-proxy")
     }
 
     fn nat(&self) -> String {
@@ -599,23 +631,141 @@ fn switching_modes_removes_the_other_modes_rules_both_ways() {
     drop(c.daemon.take());
     c.mode = "nftables";
     c.start_daemon();
-    let nat = c.nat();
-    assert!(!nat.contains("KUBE-"), "iptables mode's rules are gone:\n{nat}");
     assert!(c.rules().contains("table ip kube-proxy"), "nftables table is there");
+    // Removed once the new mode is programmed, right after its first sync.
+    wait_until(Duration::from_secs(5), "iptables mode's rules gone", || {
+        c.iptables_mode_rules().is_empty()
+    });
     assert!(c.probe_client(&ProbeArgs::tcp(cip(80)).with_count(3)).all_ok());
     drop(c.daemon.take());
     c.mode = "iptables";
     c.start_daemon();
-    let ruleset = c
-        .bed
-        .node
-        .exec_ok("nft", ["list", "ruleset"])
-        .expect("nft list ruleset");
-    assert!(
-        !ruleset.contains("table ip kube-proxy"),
-        "nftables mode's table is gone:\n{ruleset}"
-    );
+    wait_until(Duration::from_secs(5), "nftables mode's table gone", || {
+        !c.nftables_table()
+    });
     assert!(c.probe_client(&ProbeArgs::tcp(cip(80)).with_count(3)).all_ok());
+}
+
+/// How long a restart of the daemon in another mode took.
+struct Switch {
+    to: &'static str,
+    /// When the old daemon got SIGTERM.
+    stopped: Instant,
+    /// From the old daemon's SIGTERM to the new one's first sync.
+    programmed: Duration,
+    /// From that first sync until nothing of the old mode was left.
+    removed: Duration,
+    /// When nothing of the old mode was left, since the load started.
+    done_at: Duration,
+}
+
+/// A DaemonSet rollout across modes: iptables → nftables → iptables, each time the old daemon
+/// stopped (SIGTERM) and the new one started in the other mode, while new connections go at
+/// ≥ 200/s and one stream echoes a line every 20 ms. No connect fails, every line of the
+/// stream comes back, and nothing of the old mode is left once the new one is programmed.
+fn a_mode_switch_under_load_loses_no_connection() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut c = Cluster::start("switchload", 3, |b| {
+        web(&b.endpoints().iter().map(|e| local(e.ip)).collect::<Vec<_>>())
+    });
+    const STREAM_S: f64 = 8.0;
+    let stream_args = ProbeArgs::tcp(cip(80))
+        .with_stream_seconds(STREAM_S)
+        .with_interval_ms(20);
+    let (stop, batches) = (AtomicBool::new(false), AtomicUsize::new(0));
+    let batch = ProbeArgs::tcp(cip(80)).with_count(100);
+    let t0 = Instant::now();
+    let (stream, load, switches) = std::thread::scope(|s| {
+        let bed = &c.bed;
+        let stream = s.spawn(move || bed.probe(&bed.client, &stream_args).expect("stream probe"));
+        let _stop = StopOnDrop(&stop);
+        let load = s.spawn(|| connect_until(bed, &batch, &stop, &batches));
+        wait_until(Duration::from_secs(10), "the load running", || {
+            batches.load(Ordering::SeqCst) >= 2
+        });
+        let mut switches = Vec::new();
+        for to in ["nftables", "iptables"] {
+            let mut old = c.daemon.take().expect("daemon running");
+            let stopped = Instant::now();
+            old.signal(nix::sys::signal::Signal::SIGTERM).expect("SIGTERM");
+            old.wait_timeout(Duration::from_secs(5))
+                .expect("wait")
+                .expect("daemon exited");
+            c.mode = to;
+            let daemon = c.spawn_daemon();
+            c.daemon = Some(daemon);
+            let programmed = stopped.elapsed();
+            let removed = wait_until(Duration::from_secs(10), "the old mode's rules gone", || match to {
+                "nftables" => c.iptables_mode_rules().is_empty(),
+                _ => !c.nftables_table(),
+            });
+            let done_at = t0.elapsed();
+            switches.push(Switch {
+                to,
+                stopped,
+                programmed,
+                removed,
+                done_at,
+            });
+        }
+        // The load goes on for a while in the last mode.
+        let after = batches.load(Ordering::SeqCst) + 2;
+        wait_until(Duration::from_secs(10), "the load after the switches", || {
+            batches.load(Ordering::SeqCst) >= after
+        });
+        stop.store(true, Ordering::SeqCst);
+        let load = load.join().expect("load thread");
+        (stream.join().expect("stream thread"), load, switches)
+    });
+    for sw in &switches {
+        let (during, failed) = load.during(sw.stopped, sw.stopped + sw.programmed + sw.removed);
+        println!(
+            "switch to {}: first sync {:?} after the old daemon's SIGTERM; the old mode's rules gone {:?} after it; {during} connects meanwhile, {failed} failed",
+            sw.to, sw.programmed, sw.removed
+        );
+        assert!(
+            during >= 20,
+            "the load covers the switch to {}: {during} connects",
+            sw.to
+        );
+    }
+    let (failed, rate) = (load.failed(), load.rate());
+    println!(
+        "load: {} connections in {:?} ({rate:.0}/s), {} failed",
+        load.attempts().count(),
+        load.elapsed,
+        failed.len()
+    );
+    assert!(failed.is_empty(), "failed connects: {failed:?}\n{}", c.daemon_log());
+    assert!(rate >= 200.0, "the load must reach 200 connections/s: {rate:.0}/s");
+    let st = stream.stream.as_ref().expect("stream report");
+    let bytes: usize = (1..=st.sent)
+        .map(|i| {
+            format!(
+                "line {i}
+"
+            )
+            .len()
+        })
+        .sum();
+    println!("stream: {} lines ({bytes} bytes) sent, {} echoed", st.sent, st.echoed);
+    assert!(stream.attempts[0].ok, "the stream connected: {stream:?}");
+    assert!(
+        st.errors.is_empty() && st.echoed == st.sent,
+        "every line of the stream echoed: {st:?}"
+    );
+    // The stream was open before the first switch and after the last one.
+    let opened = Duration::from_millis(stream.attempts[0].t_ms) + Duration::from_micros(stream.attempts[0].elapsed_us);
+    let last = switches.last().map(|s| s.done_at).unwrap_or_default();
+    assert!(
+        opened < Duration::from_secs(2) && last + Duration::from_secs(1) < Duration::from_secs_f64(STREAM_S),
+        "the stream spans both switches: opened at {opened:?}, switches done at {last:?}"
+    );
+    assert!(st.sent as f64 >= STREAM_S * 1000.0 / 20.0 * 0.5, "{st:?}");
+    assert!(
+        c.iptables_mode_rules().iter().any(|l| l.contains("KUBE-SVC-")),
+        "iptables mode serves"
+    );
 }
 
 fn bind_address_hard_fail_exits_when_the_healthz_port_is_taken() {
@@ -681,6 +831,7 @@ const ONCE: &[(&str, fn())] = &common::harness::named![
     nftables_deletes_stale_chains_later_and_rebuilds_a_deleted_table,
     cleanup_removes_everything_we_own,
     switching_modes_removes_the_other_modes_rules_both_ways,
+    a_mode_switch_under_load_loses_no_connection,
     bind_address_hard_fail_exits_when_the_healthz_port_is_taken,
 ];
 

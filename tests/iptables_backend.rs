@@ -3,7 +3,8 @@
 //! with kubelet's chains in one backend only, the real daemon (`--manifests`, iptables mode)
 //! must log its choice, program its chains in that backend and not in the other, and serve a
 //! ClusterIP with real connections; then a switch to nftables mode removes iptables mode's
-//! chains from that backend (kubelet's stay), and `--cleanup` leaves nothing of ours.
+//! chains from that backend (kubelet's stay), and `--cleanup` leaves nothing of ours. Rules of
+//! ours that an earlier run left in the other backend go once the daemon's are in place.
 //! The decision itself is unit-tested on fixtures in `src/iptables/backend.rs`.
 
 mod common;
@@ -207,6 +208,53 @@ fn chooses_and_programs_the_backend_kubelet_uses(backend: &'static str) {
     node.assert_kubelet_rules_kept();
 }
 
+/// Rules of ours that an earlier run left in the backend not chosen (here: a DNAT of the
+/// ClusterIP to an address where nothing answers) go once the daemon's own are in place, and
+/// the Service is served; kubelet's chains stay.
+fn stale_rules_in_the_backend_not_chosen_are_removed() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut node = Node::new("legacy");
+    let stale = "nft";
+    node.iptables(stale, &["-w", "-t", "nat", "-N", "KUBE-SERVICES"]);
+    node.iptables(stale, &["-w", "-t", "nat", "-N", "KUBE-SVC-STALESTALESTALE"]);
+    node.iptables(
+        stale,
+        &[
+            "-w", "-t", "nat", "-A", "PREROUTING", "-m", "comment", "--comment", "kubernetes service portals", "-j",
+            "KUBE-SERVICES",
+        ],
+    );
+    node.iptables(
+        stale,
+        &[
+            "-w", "-t", "nat", "-A", "KUBE-SERVICES", "-d", CLUSTER_IP, "-p", "tcp", "--dport", "80", "-j",
+            "KUBE-SVC-STALESTALESTALE",
+        ],
+    );
+    node.iptables(
+        stale,
+        &[
+            "-w", "-t", "nat", "-A", "KUBE-SVC-STALESTALESTALE", "-p", "tcp", "-j", "DNAT", "--to-destination",
+            "10.99.99.99:80",
+        ],
+    );
+    node.start_daemon("iptables");
+    wait_until(Duration::from_secs(10), "our stale rules removed from nft", || {
+        !node.has_chain(stale, "nat", "KUBE-SERVICES") && !node.has_chain(stale, "nat", "KUBE-SVC-STALESTALESTALE")
+    });
+    let nat = node.save(stale, "nat");
+    assert!(!nat.contains("kubernetes service portals"), "the jump went too:\n{nat}");
+    assert!(node.has_chain("legacy", "nat", "KUBE-SERVICES"), "ours are in legacy");
+    assert!(
+        node.log()
+            .contains("Removed our rules from the iptables backend not chosen"),
+        "{}",
+        node.log()
+    );
+    node.assert_served();
+    node.assert_kubelet_rules_kept();
+}
+
 fn main() -> std::process::ExitCode {
     use Requirement::*;
     const NEEDS: &[Requirement] = &[
@@ -219,11 +267,21 @@ fn main() -> std::process::ExitCode {
         Tool("iptables-nft-save"),
         Tool("iptables-nft-restore"),
     ];
-    common::harness::run(["legacy", "nft"].map(|backend| {
+    let mut tests: Vec<common::harness::Test> = ["legacy", "nft"]
+        .map(|backend| {
+            common::harness::test(
+                format!("chooses_and_programs_{backend}_where_kubelet_uses_it"),
+                move || chooses_and_programs_the_backend_kubelet_uses(backend),
+            )
+            .needs(NEEDS)
+        })
+        .into();
+    tests.push(
         common::harness::test(
-            format!("chooses_and_programs_{backend}_where_kubelet_uses_it"),
-            move || chooses_and_programs_the_backend_kubelet_uses(backend),
+            "stale_rules_in_the_backend_not_chosen_are_removed",
+            stale_rules_in_the_backend_not_chosen_are_removed,
         )
-        .needs(NEEDS)
-    }))
+        .needs(NEEDS),
+    );
+    common::harness::run(tests)
 }

@@ -25,7 +25,9 @@
 //!   has closed;
 //! - a scheduler whose module is missing: the daemon refuses to start, naming it;
 //! - switching to iptables mode removes the virtual servers, `kube-ipvs0`, the ipsets and IPVS
-//!   mode's chains, and back to IPVS mode removes iptables mode's chains;
+//!   mode's chains once iptables mode is programmed (a virtual server with a live flow once
+//!   that has expired), and back to IPVS mode removes iptables mode's chains (the switch under
+//!   load is `tests/vm_switch_e2e.rs`);
 //! - UDP: a flow whose endpoint is removed moves to the live one (no draining for UDP);
 //! - a NodePort Service deleted while the daemon is down: the first sync after the restart
 //!   deletes its virtual servers on the node addresses, and leaves someone else's virtual
@@ -327,8 +329,28 @@ mod in_vm {
         assert!(out.status.success(), "{out:?}");
     }
 
-    /// Switching to iptables mode removes IPVS mode's state; the Services keep working.
+    /// Switching to iptables mode removes IPVS mode's state once iptables mode is programmed;
+    /// the Services keep working. A virtual server that still carries a flow (the UDP check's,
+    /// until IPVS's 30 s UDP timeout expires it) goes only then, with its address.
     fn iptables_mode_removed_ipvs_state(node: &Node) {
+        let started = Instant::now();
+        wait_until_every(
+            Duration::from_millis(500),
+            Duration::from_secs(90),
+            "IPVS mode's virtual servers and kube-ipvs0 gone",
+            || {
+                let links = node.bed.node.ip(["-o", "link", "show"]).expect("ip link");
+                virtual_servers(&node.ipvsadm(&["-Ln"])) == [format!("TCP {FOREIGN} wlc")]
+                    && !links.contains("kube-ipvs0")
+            },
+        );
+        println!(
+            "to iptables: IPVS mode's state gone {:?} after the first sync",
+            started.elapsed()
+        );
+        for l in node.log().lines().filter(|l| l.contains("proxy mode")) {
+            println!("  daemon: {l}");
+        }
         let list = node.ipvsadm(&["-Ln"]);
         assert_eq!(
             virtual_servers(&list),
@@ -358,8 +380,16 @@ mod in_vm {
         assert!(r.all_ok(), "iptables mode serves: {:?}", r.errors());
     }
 
-    /// And back: IPVS mode removes iptables mode's own chains.
+    /// And back: IPVS mode removes iptables mode's own chains, once it is programmed.
     fn ipvs_mode_removed_iptables_chains(node: &Node) {
+        wait_until_every(POLL, Duration::from_secs(30), "iptables mode's chains gone", || {
+            let nat = node
+                .bed
+                .node
+                .exec_ok("iptables-save", ["-t", "nat"])
+                .expect("iptables-save");
+            !nat.contains(":KUBE-NODEPORTS ")
+        });
         let nat = node
             .bed
             .node

@@ -6,6 +6,7 @@
 //!   host, telemetry) on tokio's clock;
 //! - [`telemetry`]: healthz, the mode's metrics and the health-check node ports;
 //! - [`modes`]: per-mode set-up on the real node, mode switches and `--cleanup`;
+//! - [`leftovers`]: the other modes' state after a mode switch, removed once this mode is in;
 //! - [`host`]: the node's sysctls and conntrack table, as the loop touches them;
 //! - [`config_watch`]: the `--config` file watch (exit when its content changes, as upstream).
 //!
@@ -13,6 +14,7 @@
 
 pub mod config_watch;
 pub mod host;
+pub mod leftovers;
 pub mod modes;
 pub mod runner;
 pub mod sync_loop;
@@ -120,8 +122,8 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
         info!(manifests = %dir.display(), "Reading Services and EndpointSlices from manifests");
     }
     let mut running = opts.source.source().start(&node_name)?;
-    // Rules of the mode not in use are removed, as upstream does at start.
-    modes::remove_other_modes(cfg.mode, backend);
+    // The other modes' rules are found now, and removed once this mode's are in place.
+    let leftovers = leftovers::OtherModes::find(cfg.mode, backend);
     modes::log_mode(cfg.mode);
     if let (ProxyMode::Ipvs, SourceConfig::Api(cc)) = (cfg.mode, &opts.source) {
         let event = source::api::start_warning("IPVSDeprecation", modes::IPVS_DEPRECATION);
@@ -129,7 +131,8 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
     }
     let proxiers = modes::proxiers(&cfg, backend, counted)?;
     let node_watched = matches!(opts.source, SourceConfig::Api(_));
-    let sync_loop = sync_loop::SyncLoop::new(cfg, proxiers, Box::new(host::NodeHost), telemetry, node_watched);
+    let sync_loop = sync_loop::SyncLoop::new(cfg, proxiers, Box::new(host::NodeHost), telemetry, node_watched)
+        .with_leftovers(leftovers);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .thread_name("kube-proxy-sync")
         .enable_all()

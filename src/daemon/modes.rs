@@ -1,21 +1,21 @@
 //! Per-mode set-up and cleanup on the real node: which families a mode can program here, the
 //! real proxiers of a mode (with upstream's "Using … Proxier" line, and iptables mode's nfacct
 //! counters where the kernel has them), the kernel checks before anything is touched, the
-//! removal of the other modes' rules at start (mode switches, every way), and `--cleanup`.
-//! Every iptables call goes to the backend chosen at start (`iptables::backend`), passed in as
-//! `backend`.
+//! nftables and IPVS edges that removing another mode's state uses (mode switches:
+//! [`super::leftovers`]), and `--cleanup`. Every iptables call goes to the backend chosen at
+//! start (`iptables::backend`), passed in as `backend`.
 
 use anyhow::Context as _;
-use tracing::{error, info, warn};
+use tracing::{error, info};
 
 use crate::config::{ProxyConfig, ProxyMode};
+use crate::iptables::IptablesRenderOptions;
 use crate::iptables::backend::Backend;
 use crate::iptables::exec::{Exec, Iptables};
 use crate::iptables::nfacct::{self, Nfacct};
 use crate::iptables::proxier::{IptablesProxier, cleanup as cleanup_iptables};
 use crate::iptables::render::{NFACCT_CT_STATE_INVALID, NFACCT_LOCALHOST_NODEPORTS};
-use crate::iptables::{IptablesRenderOptions, names as ipt_names};
-use crate::ipvs::host::{HostExec, IpvsHost as _};
+use crate::ipvs::host::HostExec;
 use crate::ipvs::netlink::{Ipvs, IpvsHandle};
 use crate::ipvs::proxier::IpvsProxier;
 use crate::ipvs::render::IpvsRenderOptions;
@@ -116,91 +116,49 @@ pub fn proxiers(cfg: &ProxyConfig, backend: Backend, nfacct: bool) -> anyhow::Re
         .collect()
 }
 
-/// Removes the rules of the modes other than `mode` (switching modes, every way).
-pub fn remove_other_modes(mode: ProxyMode, backend: Backend) {
-    if mode != ProxyMode::Nftables {
-        for e in remove_nftables_mode() {
-            warn!(error = %e, "Could not remove the nftables mode's table");
-        }
+/// Deletes the nftables mode's table of `family` where there is one.
+pub(super) fn remove_nftables_table(family: IpFamily) -> Result<(), nft::NftError> {
+    // The table may not exist (or nft may not be installed): only a present table matters.
+    if nft::table_exists(family) {
+        nft::delete_table(family)?;
     }
-    // IPVS mode's state goes before iptables mode's: it references chains the two share.
-    if mode != ProxyMode::Ipvs {
-        for e in remove_ipvs_mode(false, backend) {
-            warn!(error = %e, "Could not remove the IPVS mode's state");
-        }
-    }
-    match mode {
-        ProxyMode::Nftables => remove_iptables_mode(backend),
-        // IPVS mode rewrites the chains it shares with iptables mode (KUBE-SERVICES, ...) on
-        // its first sync; iptables mode's own chains go only where iptables mode left some, so
-        // that restarting IPVS mode never empties its chains in between.
-        ProxyMode::Ipvs => {
-            if families(ProxyMode::Iptables, backend)
-                .into_iter()
-                .any(|f| iptables_mode_present(&mut Exec::new(backend, f)))
-            {
-                remove_iptables_mode(backend);
-            }
-        }
-        ProxyMode::Iptables => {}
-    }
-}
-
-fn remove_iptables_mode(backend: Backend) {
-    for family in families(ProxyMode::Iptables, backend) {
-        for e in cleanup_iptables(&mut Exec::new(backend, family)) {
-            warn!(ip_family = %family, error = %e, "Could not remove the iptables mode's rules");
-        }
-    }
+    Ok(())
 }
 
 /// Deletes the nftables mode's tables that exist; the errors met.
 fn remove_nftables_mode() -> Vec<String> {
-    let mut errors = Vec::new();
-    for family in [IpFamily::V4, IpFamily::V6] {
-        // The table may not exist (or nft may not be installed): only a present table matters.
-        if nft::table_exists(family)
-            && let Err(e) = nft::delete_table(family)
-        {
-            errors.push(format!("{family}: {e}"));
-        }
+    [IpFamily::V4, IpFamily::V6]
+        .into_iter()
+        .filter_map(|family| remove_nftables_table(family).err().map(|e| format!("{family}: {e}")))
+        .collect()
+}
+
+/// The IPVS netlink handle when the kernel has IPVS loaded (without it there are no virtual
+/// servers, and opening one would load it).
+pub(super) fn open_ipvs() -> Option<IpvsHandle> {
+    if std::path::Path::new("/proc/net/ip_vs").exists() {
+        IpvsHandle::new().ok()
+    } else {
+        None
     }
-    errors
 }
 
-/// Whether iptables mode left its own chains (ones IPVS mode does not have).
-fn iptables_mode_present(ipt: &mut Exec) -> bool {
-    [
-        ("nat", ipt_names::KUBE_NODEPORTS),
-        ("nat", ipt_names::KUBE_PROXY_CANARY),
-        ("filter", ipt_names::KUBE_EXTERNAL_SERVICES),
-    ]
-    .iter()
-    .any(|(table, chain)| ipt.chain_exists(table, chain).unwrap_or(false))
-}
-
-/// Removes IPVS mode's state where there is some (or, with `all` for `--cleanup`, whatever is
-/// left): virtual servers on `kube-ipvs0` addresses and NodePort-looking ones on node
-/// addresses (only when the kernel has IPVS loaded: without it there are none, and looking
-/// would load it), its iptables rules, ipsets and `kube-ipvs0`. Silent where there is nothing.
-fn remove_ipvs_mode(all: bool, backend: Backend) -> Vec<String> {
-    let mut host = HostExec;
+/// Removes whatever IPVS mode left: virtual servers on `kube-ipvs0` addresses and
+/// NodePort-looking ones on node addresses (only when the kernel has IPVS loaded: without it
+/// there are none, and looking would load it), its iptables rules, ipsets and `kube-ipvs0`.
+fn remove_ipvs_mode(backend: Backend) -> Vec<String> {
     let mut ipts: Vec<Exec> = families(ProxyMode::Ipvs, backend)
         .into_iter()
         .map(|f| Exec::new(backend, f))
         .collect();
-    let link = host.link_exists(crate::ipvs::names::DUMMY_DEVICE).unwrap_or(false);
-    let rules = ipts.iter_mut().any(|i| crate::ipvs::cleanup::iptables_state_present(i));
-    if !(all || link || rules) {
-        return Vec::new();
-    }
-    let mut ipvs = if std::path::Path::new("/proc/net/ip_vs").exists() {
-        IpvsHandle::new().ok()
-    } else {
-        None
-    };
+    let mut ipvs = open_ipvs();
     let mut refs: Vec<&mut dyn Iptables> = ipts.iter_mut().map(|i| i as &mut dyn Iptables).collect();
-    crate::ipvs::cleanup::cleanup(ipvs.as_mut().map(|h| h as &mut dyn Ipvs), &mut refs, &mut host, true)
+    crate::ipvs::cleanup::cleanup(
+        ipvs.as_mut().map(|h| h as &mut dyn Ipvs),
+        &mut refs,
+        &mut HostExec,
+        true,
+    )
 }
 
 /// `--cleanup`: removes everything we own in both families (iptables chains and jumps, the
@@ -209,11 +167,7 @@ fn remove_ipvs_mode(all: bool, backend: Backend) -> Vec<String> {
 pub fn cleanup_all(backend: Backend) -> Vec<String> {
     let mut errors = Vec::new();
     // IPVS mode's rules first: its chains share names with iptables mode's.
-    errors.extend(
-        remove_ipvs_mode(true, backend)
-            .into_iter()
-            .map(|e| format!("IPVS mode: {e}")),
-    );
+    errors.extend(remove_ipvs_mode(backend).into_iter().map(|e| format!("IPVS mode: {e}")));
     for family in families(ProxyMode::Iptables, backend) {
         let mut ipt = Exec::new(backend, family);
         errors.extend(cleanup_iptables(&mut ipt).into_iter().map(|e| format!("{family}: {e}")));

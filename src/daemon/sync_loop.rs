@@ -2,7 +2,14 @@
 //! through the injected edges — the proxiers ([`Proxier`]), the host ([`Host`]) and the
 //! [`Telemetry`] — on tokio's clock, which tests pause and advance. It builds this node's info
 //! and the state of each family once per sync, from the state builder that holds the objects.
+//!
+//! The other modes' leftovers ([`Leftovers`], after a mode switch) are removed right after the
+//! first sync in which every family has succeeded at least once, never before: until then the
+//! old mode's rules are what serves the node. What they could not remove yet (IPVS virtual
+//! servers with open connections, a failure) is asked again at each periodic check, with a log
+//! line, until nothing is left.
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Instant as StdInstant;
 
@@ -11,6 +18,7 @@ use tokio::time::Instant;
 use tracing::{debug, error, info, warn};
 
 use super::host::Host;
+use super::leftovers::Leftovers;
 use super::runner::{Action, FamilyTraits, Runner, RunnerConfig, SyncKind};
 use super::telemetry::Telemetry;
 use crate::app;
@@ -36,6 +44,12 @@ pub struct SyncLoop {
     /// The source watches this node by name (the API): a missing Node then counts as not
     /// eligible for health, as upstream; a manifest directory need not hold one.
     node_watched: bool,
+    /// What the other modes left, until it is all gone.
+    leftovers: Option<Box<dyn Leftovers>>,
+    /// The families that have synced successfully since the start.
+    programmed: BTreeSet<IpFamily>,
+    /// Every family has: the leftovers may go (and are re-checked at each periodic check).
+    removing: bool,
 }
 
 impl SyncLoop {
@@ -66,7 +80,16 @@ impl SyncLoop {
             telemetry,
             builder: StateBuilder::new(),
             node_watched,
+            leftovers: None,
+            programmed: BTreeSet::new(),
+            removing: false,
         }
+    }
+
+    /// What the other modes left (a mode switch), to remove once this mode is programmed.
+    pub fn with_leftovers(mut self, leftovers: Option<Box<dyn Leftovers>>) -> SyncLoop {
+        self.leftovers = leftovers;
+        self
     }
 
     /// Runs until the source stops (the error says so); never returns otherwise.
@@ -117,6 +140,26 @@ impl SyncLoop {
             }
             self.runner.checked(p.family(), intact);
         }
+        if self.removing {
+            self.remove_leftovers();
+        }
+    }
+
+    /// Asks the leftovers to go; logs what is still there.
+    fn remove_leftovers(&mut self) {
+        let Some(leftovers) = self.leftovers.as_mut() else {
+            return;
+        };
+        let left = leftovers.remove();
+        if left.is_empty() {
+            info!("Nothing is left of the other proxy modes' rules");
+            self.leftovers = None;
+        } else {
+            info!(
+                left = left.join("; "),
+                "Some of another proxy mode's state is still in use or could not be removed; checking again in a sync period"
+            );
+        }
     }
 
     /// Syncs the families the runner named.
@@ -156,6 +199,7 @@ impl SyncLoop {
                     let prefer_same_node = cfg.feature_enabled("PreferSameTrafficDistribution");
                     self.telemetry.synced(family, &report, &state, prefer_same_node);
                     self.runner.synced(family, now(), Ok(report.full), cleanup_at);
+                    self.programmed.insert(family);
                     states.push(state);
                 }
                 Err(e) => {
@@ -164,6 +208,10 @@ impl SyncLoop {
                     self.runner.synced(family, now(), Err(()), cleanup_at);
                 }
             }
+        }
+        if !self.removing && self.proxiers.iter().all(|p| self.programmed.contains(&p.family())) {
+            self.removing = true;
+            self.remove_leftovers();
         }
         if !states.is_empty() {
             self.telemetry.sync_service_health(&states).await;
@@ -245,6 +293,7 @@ mod tests {
     use super::*;
     use crate::config::{Flags, ProxyMode};
     use crate::daemon::host::RecordingHost;
+    use crate::daemon::leftovers::RecordingLeftovers;
     use crate::manifest::{Objects, load_str};
     use crate::model::store::{Change, Store};
     use crate::proxy::testing::{Call, RecordingProxier};
@@ -304,17 +353,30 @@ mod tests {
     impl Harness {
         /// A loop in `mode` over one IPv4 fake, which `tune` may set up first.
         fn start(mode: ProxyMode, tune: impl FnOnce(&mut crate::proxy::testing::Record)) -> Harness {
-            let cfg = config(mode);
             let v4 = RecordingProxier::new(mode, IpFamily::V4);
             tune(&mut v4.record());
+            Harness::start_with(mode, v4, None, None)
+        }
+
+        /// A loop in `mode` over `v4` (and `v6`), with the other modes' `leftovers`.
+        fn start_with(
+            mode: ProxyMode,
+            v4: RecordingProxier,
+            v6: Option<RecordingProxier>,
+            leftovers: Option<RecordingLeftovers>,
+        ) -> Harness {
+            let cfg = config(mode);
             let telemetry = Arc::new(Telemetry::detached(mode, "node-a", cfg.sync_period * 2));
+            let mut proxiers: Vec<Box<dyn Proxier>> = vec![Box::new(v4.clone())];
+            proxiers.extend(v6.map(|p| Box::new(p) as Box<dyn Proxier>));
             let sync_loop = SyncLoop::new(
                 cfg,
-                vec![Box::new(v4.clone())],
+                proxiers,
                 Box::new(RecordingHost::default()),
                 telemetry.clone(),
                 true,
-            );
+            )
+            .with_leftovers(leftovers.map(|l| Box::new(l) as Box<dyn Leftovers>));
             let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
             let task = tokio::spawn(async move { sync_loop.run(&mut rx).await });
             Harness {
@@ -515,5 +577,96 @@ mod tests {
         ] {
             assert!(text.contains(line), "{line} missing from:\n{text}");
         }
+    }
+
+    /// Leftovers of another mode whose `remove` records whether `v4` was programmed then.
+    fn leftovers_watching(v4: &RecordingProxier, answers: Vec<Vec<String>>) -> RecordingLeftovers {
+        let v4 = v4.clone();
+        RecordingLeftovers::new(answers, move || {
+            if v4.record().programmed.is_some() {
+                "programmed".into()
+            } else {
+                "not programmed".into()
+            }
+        })
+    }
+
+    /// The times of the leftovers' calls, relative to the start, and what they saw.
+    fn removals(h: &Harness, l: &RecordingLeftovers) -> Vec<(Duration, String)> {
+        l.record()
+            .calls
+            .iter()
+            .map(|(t, seen)| (t.duration_since(h.t0), seen.clone()))
+            .collect()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn nothing_of_another_mode_is_removed_before_this_mode_is_programmed() {
+        let v4 = RecordingProxier::new(ProxyMode::Nftables, IpFamily::V4);
+        let l = leftovers_watching(&v4, Vec::new());
+        let h = Harness::start_with(ProxyMode::Nftables, v4, None, Some(l.clone()));
+        // No lists yet: no sync, and the old mode's rules keep serving.
+        h.run_for(120 * SEC).await;
+        assert!(l.record().calls.is_empty(), "{:?}", removals(&h, &l));
+        h.send(cluster(1).diff(&Store::default()), true);
+        h.run_for(SEC / 10).await;
+        assert_eq!(h.syncs(), vec![(120 * SEC, Call::SyncFull(1))]);
+        assert_eq!(
+            removals(&h, &l),
+            vec![(120 * SEC, "programmed".to_string())],
+            "removed right after the first sync, once"
+        );
+        h.run_for(100 * SEC).await;
+        assert_eq!(l.record().calls.len(), 1, "nothing was left: never asked again");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_first_sync_removes_nothing() {
+        let v4 = RecordingProxier::new(ProxyMode::Iptables, IpFamily::V4);
+        v4.record().fail_next = 1;
+        let l = leftovers_watching(&v4, Vec::new());
+        let h = Harness::start_with(ProxyMode::Iptables, v4, None, Some(l.clone()));
+        h.send(cluster(1).diff(&Store::default()), true);
+        h.run_for(20 * SEC).await;
+        assert_eq!(h.syncs(), vec![(Duration::ZERO, Call::SyncFull(1))]);
+        assert!(l.record().calls.is_empty(), "the sync failed: {:?}", removals(&h, &l));
+        h.run_for(20 * SEC).await;
+        assert_eq!(
+            removals(&h, &l),
+            vec![(30 * SEC, "programmed".to_string())],
+            "after the retry succeeded"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn every_family_must_be_programmed_first() {
+        let v4 = RecordingProxier::new(ProxyMode::Iptables, IpFamily::V4);
+        let v6 = RecordingProxier::new(ProxyMode::Iptables, IpFamily::V6);
+        v6.record().fail_next = 1;
+        let l = leftovers_watching(&v4, Vec::new());
+        let h = Harness::start_with(ProxyMode::Iptables, v4, Some(v6.clone()), Some(l.clone()));
+        h.send(cluster(1).diff(&Store::default()), true);
+        h.run_for(20 * SEC).await;
+        assert!(h.v4.record().programmed.is_some(), "IPv4 is programmed");
+        assert!(l.record().calls.is_empty(), "IPv6 failed: {:?}", removals(&h, &l));
+        h.run_for(20 * SEC).await;
+        assert!(v6.record().programmed.is_some());
+        assert_eq!(removals(&h, &l), vec![(30 * SEC, "programmed".to_string())]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn leftovers_still_in_use_are_asked_again_every_sync_period_until_gone() {
+        let v4 = RecordingProxier::new(ProxyMode::Nftables, IpFamily::V4);
+        let draining = vec!["IPVS virtual server TCP 10.96.0.1:80 (1 open connection)".to_string()];
+        let l = leftovers_watching(&v4, vec![draining.clone(), draining]);
+        let h = Harness::start_with(ProxyMode::Nftables, v4, None, Some(l.clone()));
+        h.send(cluster(1).diff(&Store::default()), true);
+        h.run_for(150 * SEC).await;
+        let times: Vec<Duration> = removals(&h, &l).into_iter().map(|(t, _)| t).collect();
+        assert_eq!(
+            times,
+            vec![Duration::ZERO, 30 * SEC, 60 * SEC],
+            "at the first sync, then at each check until nothing is left"
+        );
     }
 }

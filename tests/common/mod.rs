@@ -1,10 +1,11 @@
 //! Helpers shared by the integration tests: running the real binary on scenario files, the
 //! states the scenarios make, looking up tools, polling with a deadline, manifest directories;
-//! network namespaces ([`netns`]) and the harness of the tests that need root or a kernel
-//! feature ([`harness`]).
+//! network namespaces ([`netns`]), the harness of the tests that need root or a kernel
+//! feature ([`harness`]), and the connection load of the mode-switch tests ([`load`]).
 #![allow(dead_code)]
 
 pub mod harness;
+pub mod load;
 pub mod netns;
 
 use std::io::{Read, Write};
