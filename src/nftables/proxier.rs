@@ -677,6 +677,8 @@ fn plan_chains_and_sets(plan: &mut Plan, applied: &mut Applied, old: &ServiceObj
     let old_chains: HashMap<&str, &Vec<Rule>> = old.chains.iter().map(|(n, r)| (n.as_str(), r)).collect();
     let new_names: HashSet<&str> = new.chains.iter().map(|(n, _)| n.as_str()).collect();
     for decl in &new.sets {
+        // A set of an earlier table wanted again is no longer due for deletion.
+        applied.stale_sets.remove(&decl.name);
         if !old.sets.iter().any(|s| s.name == decl.name) {
             plan.new_sets.push(Op::AddSet(decl.clone()));
         }
@@ -1097,6 +1099,45 @@ mod tests {
         p.sync(&st).unwrap();
         assert_eq!(table(&rec), expected(&st));
         assert!(p.next_cleanup().is_none());
+    }
+
+    #[test]
+    fn a_restart_replaces_the_table_in_one_transaction_without_deleting_it() {
+        let (mut p, rec) = proxier();
+        p.set_max_ops_per_transaction(10);
+        let mut gone = port("ns", "gone", 3, Protocol::Tcp, &[4]);
+        gone.port.session_affinity_timeout = Some(60);
+        let st = state(vec![port("ns", "a", 1, Protocol::Tcp, &[1, 2]), gone]);
+        p.sync(&st).unwrap();
+        assert!(
+            rec.recorded().applied.len() > 1,
+            "bounded transactions where there was no table"
+        );
+        // A new process over the same table, with one Service gone and one changed.
+        let mut p = NftProxier::with_backend(IpFamily::V4, RenderOptions::default(), Box::new(rec.clone()));
+        p.set_max_ops_per_transaction(10);
+        let n = rec.recorded().applied.len();
+        let st = state(vec![
+            port("ns", "a", 1, Protocol::Tcp, &[1, 3]),
+            port("ns", "b", 2, Protocol::Udp, &[5]),
+        ]);
+        let report = p.sync(&st).unwrap();
+        assert!(report.full);
+        let r = rec.recorded();
+        assert_eq!(r.applied.len(), n + 1, "one transaction");
+        let text = r.applied[n].text();
+        assert!(!text.contains("delete table"), "{text}");
+        drop(r);
+        // What the old table had and the new one does not is flushed now, deleted later (the
+        // affinity set of the Service gone, too).
+        let mut now = without_flushed(table(&rec));
+        let old_sets = now.sets.len();
+        now.sets.retain(|name, _| !name.contains("ns/gone"));
+        assert_eq!(now.sets.len(), old_sets - 1);
+        assert_eq!(now, expected(&st));
+        p.set_stale_chain_delay(Duration::ZERO);
+        p.sync(&st).unwrap();
+        assert_eq!(table(&rec), expected(&st));
     }
 
     #[test]
