@@ -663,11 +663,10 @@ fn show_service(out: &mut impl Write, bed: &Testbed, nft: bool, svc_chain: &str)
         }
     }
     // The endpoints: each one's share of the numbers the service chain draws.
-    writeln!(
-        out,
-        "   map service-endpoints-tcp {{ {} }}",
-        set_elements(&listing, "service-endpoints-tcp")
-    )?;
+    let lines: Vec<String> = listing.lines().map(|l| l.trim().to_string()).collect();
+    for map in crate::nftables::readback::endpoint_maps(&lines) {
+        writeln!(out, "   map {map} {{ {} }}", set_elements(&listing, &map))?;
+    }
     Ok(())
 }
 

@@ -42,31 +42,41 @@ pub const REJECT_NODEPORTS: &str = "reject-nodeports";
 pub const REJECT_CHAIN: &str = "reject-chain";
 
 // Endpoint selection without a chain per endpoint.
-/// `numgen` number → endpoint `address . port` (see `blocks`), one map per protocol: nft 1.0.6
-/// cannot re-read a rule whose `dnat` takes its port from a map typed `th dport` (it reports
-/// "conflicting protocols"), so each map's data is typed by its protocol's `dport`.
-pub const SERVICE_ENDPOINTS_TCP: &str = "service-endpoints-tcp";
-pub const SERVICE_ENDPOINTS_UDP: &str = "service-endpoints-udp";
-pub const SERVICE_ENDPOINTS_SCTP: &str = "service-endpoints-sctp";
-/// Every `service-endpoints-…` map, with its protocol.
-pub const SERVICE_ENDPOINTS_MAPS: [(&str, Protocol); 3] = [
-    (SERVICE_ENDPOINTS_TCP, Protocol::Tcp),
-    (SERVICE_ENDPOINTS_UDP, Protocol::Udp),
-    (SERVICE_ENDPOINTS_SCTP, Protocol::Sctp),
-];
+/// `numgen` number → endpoint `address . port` (see `blocks`): maps `service-endpoints-PROTO-NN`.
+/// - One set of maps per protocol: nft 1.0.6 cannot re-read a rule whose `dnat` takes its port
+///   from a map typed `th dport` (it reports "conflicting protocols"), so each map's data is
+///   typed by its protocol's `dport`.
+/// - [`SERVICE_ENDPOINTS_SHARDS`] maps per protocol, a selection's by its block: the kernel
+///   checks every element added to a map against every rule that looks the map up (measured:
+///   20,000 intervals take 0.7 s into a map of 10 such rules, 3.7 s into one of 5,000), so
+///   one map for 10,000 service chains made a cold sync quadratic (49 s at 10k × 10).
+pub const SERVICE_ENDPOINTS_SHARDS: u32 = 64;
+const PROTOCOLS: [Protocol; 3] = [Protocol::Tcp, Protocol::Udp, Protocol::Sctp];
 
-/// The `service-endpoints-…` map of a protocol.
-pub fn service_endpoints(protocol: Protocol) -> &'static str {
-    match protocol {
-        Protocol::Tcp => SERVICE_ENDPOINTS_TCP,
-        Protocol::Udp => SERVICE_ENDPOINTS_UDP,
-        Protocol::Sctp => SERVICE_ENDPOINTS_SCTP,
-    }
+static SERVICE_ENDPOINTS_NAMES: std::sync::LazyLock<Vec<(String, Protocol)>> = std::sync::LazyLock::new(|| {
+    PROTOCOLS
+        .iter()
+        .flat_map(|p| {
+            (0..SERVICE_ENDPOINTS_SHARDS).map(move |n| (format!("service-endpoints-{}-{n:02}", p.lower()), *p))
+        })
+        .collect()
+});
+
+/// Every `service-endpoints-…` map, with its protocol.
+pub fn service_endpoints_maps() -> impl Iterator<Item = (&'static str, Protocol)> {
+    SERVICE_ENDPOINTS_NAMES.iter().map(|(n, p)| (n.as_str(), *p))
+}
+
+/// The `service-endpoints-…` map of a protocol that holds the selection of block `block`.
+pub fn service_endpoints(protocol: Protocol, block: u32) -> &'static str {
+    let p = PROTOCOLS.iter().position(|q| *q == protocol).unwrap_or(0);
+    let i = p * SERVICE_ENDPOINTS_SHARDS as usize + (block % SERVICE_ENDPOINTS_SHARDS) as usize;
+    SERVICE_ENDPOINTS_NAMES[i].0.as_str()
 }
 
 /// Whether `name` is one of the `service-endpoints-…` maps.
 pub fn is_service_endpoints(name: &str) -> bool {
-    SERVICE_ENDPOINTS_MAPS.iter().any(|(m, _)| *m == name)
+    name.starts_with("service-endpoints-")
 }
 
 /// `endpoint . endpoint` of every endpoint chosen through a `service-endpoints-…` map: a

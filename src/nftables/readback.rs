@@ -6,7 +6,7 @@
 
 use super::names::{
     ENDPOINT_PREFIX, FIREWALL_IPS, NO_ENDPOINT_NODEPORTS, NO_ENDPOINT_SERVICES, REJECT_NODEPORTS, REJECT_SERVICES,
-    SERVICE_ENDPOINTS_MAPS, SERVICE_IPS, SERVICE_NODEPORTS, ServicePortChains,
+    SERVICE_IPS, SERVICE_NODEPORTS, ServicePortChains, is_service_endpoints,
 };
 use crate::model::ServicePort;
 
@@ -41,27 +41,40 @@ pub const DISPATCH_MAPS: [&str; 5] = [
 ];
 
 /// The maps and sets that hold a service port's elements: the dispatch maps, the reject
-/// sets, and the endpoints' intervals.
-pub fn dispatch_objects() -> Vec<NftObject> {
-    let endpoints = SERVICE_ENDPOINTS_MAPS.map(|(m, _)| m);
+/// sets, and `endpoint_maps`, the `service-endpoints-…` maps its chains look up (see
+/// [`endpoint_maps`]).
+pub fn dispatch_objects(endpoint_maps: &[String]) -> Vec<NftObject> {
     let maps = DISPATCH_MAPS
         .iter()
-        .chain(&endpoints)
-        .map(|m| NftObject::Map(m.to_string()));
+        .map(|m| m.to_string())
+        .chain(endpoint_maps.iter().cloned())
+        .map(NftObject::Map);
     let sets = [REJECT_SERVICES, REJECT_NODEPORTS].map(|s| NftObject::Set(s.to_string()));
     maps.chain(sets).collect()
 }
 
+/// The `service-endpoints-…` map a rule line looks up, if any.
+fn endpoint_map(line: &str) -> Option<&str> {
+    let (_, map) = line.rsplit_once(" map @")?;
+    is_service_endpoints(map).then_some(map)
+}
+
+/// The `service-endpoints-…` maps that rule lines look up.
+pub fn endpoint_maps(lines: &[String]) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for map in lines.iter().filter_map(|l| endpoint_map(l)) {
+        if !out.iter().any(|o| o == map) {
+            out.push(map.to_string());
+        }
+    }
+    out
+}
+
 /// The numbers (first, last) that rule lines draw with `numgen random mod M [offset O]`
-/// to look up in `service-endpoints`.
+/// to look up in a `service-endpoints-…` map.
 pub fn numgen_blocks(lines: &[String]) -> Vec<(u32, u32)> {
     let mut out = Vec::new();
-    let looks_up = |l: &String| {
-        SERVICE_ENDPOINTS_MAPS
-            .iter()
-            .any(|(m, _)| l.ends_with(&format!("map @{m}")))
-    };
-    for line in lines.iter().filter(|l| looks_up(l)) {
+    for line in lines.iter().filter(|l| endpoint_map(l).is_some()) {
         let words: Vec<&str> = line.split_whitespace().collect();
         let after = |key: &str| {
             words
@@ -181,11 +194,11 @@ mod tests {
 
         // Endpoints chosen through service-endpoints-tcp: the intervals of the chain's block.
         let lines = chain_lines(
-            "table ip kube-proxy {\n\tchain service-A {\n\t\tmeta l4proto tcp dnat ip to numgen random mod 55440 offset 110880 map @service-endpoints-tcp\n\t}\n}\n",
+            "table ip kube-proxy {\n\tchain service-A {\n\t\tmeta l4proto tcp dnat ip to numgen random mod 55440 offset 110880 map @service-endpoints-tcp-07\n\t}\n}\n",
         );
         let blocks = numgen_blocks(&lines);
         assert_eq!(blocks, vec![(110880, 166319)]);
-        let listing = "table ip kube-proxy {\n\tmap service-endpoints-tcp {\n\t\ttypeof numgen random mod 55440 : ip daddr . tcp dport\n\t\tflags interval\n\t\t\
+        let listing = "table ip kube-proxy {\n\tmap service-endpoints-tcp-07 {\n\t\ttypeof numgen random mod 55440 : ip daddr . tcp dport\n\t\tflags interval\n\t\t\
              elements = { 0-55439 : 10.0.0.1 . 80, 110880-138599 : 10.244.1.5 . 8080,\n\t\t\t     138600-166319 : 10.244.2.7 . 8080 }\n\t}\n}\n";
         let ours: Vec<String> = map_elements(listing)
             .into_iter()
@@ -196,10 +209,12 @@ mod tests {
             vec!["110880-138599 : 10.244.1.5 . 8080", "138600-166319 : 10.244.2.7 . 8080"]
         );
         assert_eq!(
-            numgen_blocks(&["dnat ip to numgen random mod 55440 map @service-endpoints-udp".into()]),
+            numgen_blocks(&["dnat ip to numgen random mod 55440 map @service-endpoints-udp-00".into()]),
             vec![(0, 55439)]
         );
-        assert!(dispatch_objects().contains(&NftObject::Set(REJECT_SERVICES.into())));
+        assert!(dispatch_objects(&[]).contains(&NftObject::Set(REJECT_SERVICES.into())));
+        assert_eq!(endpoint_maps(&lines), vec!["service-endpoints-tcp-07"]);
+        assert!(dispatch_objects(&endpoint_maps(&lines)).contains(&NftObject::Map("service-endpoints-tcp-07".into())));
 
         let chain = "table ip kube-proxy {\n\tchain service-A {\n\t\tnumgen random mod 2 vmap { 0 : goto endpoint-B, 1 : goto endpoint-C }\n\t}\n}\n";
         let lines = chain_lines(chain);

@@ -457,7 +457,7 @@ fn setup(tx: &mut Tx, ctx: &Ctx, first_sync: bool) {
         (HAIRPIN_ENDPOINTS, false),
     ]
     .into_iter()
-    .chain(SERVICE_ENDPOINTS_MAPS.map(|(m, _)| (m, true)))
+    .chain(service_endpoints_maps().map(|(m, _)| (m, true)))
     {
         tx.tx.push(Op::FlushSet {
             name: name.to_string(),
@@ -696,7 +696,7 @@ fn service_maps(tx: &mut Tx, ctx: &Ctx) {
         Some(MapValue::Verdict),
         Some("NodePort traffic"),
     );
-    for (map, protocol) in SERVICE_ENDPOINTS_MAPS {
+    for (map, protocol) in service_endpoints_maps() {
         tx.add_set(
             map,
             KeyType::Numgen(BLOCK),
@@ -1076,7 +1076,7 @@ impl<'a> ServiceRules<'a> {
                             Statement::DnatNumgenMap {
                                 modulus: BLOCK,
                                 offset: blocks::start(id),
-                                map: service_endpoints(self.svc.protocol).to_string(),
+                                map: service_endpoints(self.svc.protocol, id).to_string(),
                             },
                         ),
                     );
@@ -1145,7 +1145,7 @@ impl ServiceRules<'_> {
             let targets: Vec<SocketAddr> = endpoints.iter().map(|ep| SocketAddr::new(ep.ip, ep.port)).collect();
             for (lo, hi, to) in blocks::shares(id, &targets) {
                 tx.ensure_element(
-                    service_endpoints(self.svc.protocol),
+                    service_endpoints(self.svc.protocol, id),
                     ElemKey::Range(lo, hi),
                     Some(ElemValue::AddrPort(to)),
                     None,
@@ -1237,8 +1237,8 @@ mod tests {
             // Upstream: `numgen random mod 1 vmap { 0 : goto endpoint-… }` and an endpoint chain
             // (hairpin masquerade, dnat). Here: the service port's block of numbers in
             // `service-endpoints`, all of it the endpoint's, and its hairpin element.
-            "add rule ip kube-proxy service-ULMVA6XW-ns1/svc1/tcp/p80 meta l4proto tcp dnat to numgen random mod 55440 offset 2959220880 map @service-endpoints-tcp",
-            "add element ip kube-proxy service-endpoints-tcp { 2959220880-2959276319 : 10.180.0.1 . 80 }",
+            "add rule ip kube-proxy service-ULMVA6XW-ns1/svc1/tcp/p80 meta l4proto tcp dnat to numgen random mod 55440 offset 2959220880 map @service-endpoints-tcp-01",
+            "add element ip kube-proxy service-endpoints-tcp-01 { 2959220880-2959276319 : 10.180.0.1 . 80 }",
             "add element ip kube-proxy hairpin-endpoints { 10.180.0.1 . 10.180.0.1 }",
             "add rule ip kube-proxy masquerading ct status dnat ip saddr . ip daddr @hairpin-endpoints jump mark-for-masquerade",
             "add element ip kube-proxy cluster-ips { 172.30.0.41 }",

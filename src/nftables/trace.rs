@@ -817,7 +817,7 @@ mod tests {
         assert!(
             rules
                 .iter()
-                .any(|r| r.ends_with("map @service-endpoints-tcp") && r.contains("meta l4proto tcp dnat to numgen"))
+                .any(|r| r.contains("map @service-endpoints-tcp-") && r.contains("meta l4proto tcp dnat to numgen"))
         );
         // The masquerade check returned: the mark is clear.
         assert_eq!(rules.last().unwrap(), "masquerading: mark and 0x004000 == 0 return");
