@@ -14,9 +14,10 @@
 //! Run with `cargo bench --bench nft_sync`. `FLOOR=0` skips the floor (it is slow with
 //! `nft`: it lists every chain before each transaction); `MAX_OPS=N` bounds full-sync
 //! transactions to N commands instead of the proxier's default (how the bound was chosen).
-//! With the netlink backend it also prints the kernel's own cost of a change on the loaded
-//! table: one plain set element, and one verdict-map element (which makes the kernel
-//! validate every chain reachable from the base chains).
+//! With the netlink backend it also prints the kernel's own cost of each kind of change on
+//! the loaded table (set, map and verdict-map elements, chains with rules of several kinds:
+//! which make the kernel validate every chain reachable from the base chains), and the time
+//! a restart takes: a new proxier replacing the loaded table in one transaction.
 
 use std::io::Write;
 use std::process::{Command, Stdio};
@@ -25,6 +26,7 @@ use std::time::{Duration, Instant};
 use kube_proxy::config::LocalDetector;
 use kube_proxy::model::{IpFamily, ProxyState, synthetic};
 use kube_proxy::nftables::ast::Transaction;
+use kube_proxy::nftables::backend::TableObjects;
 use kube_proxy::nftables::proxier::{NftBackend, NftCommand, NftError, NftProxier};
 use kube_proxy::nftables::render_transaction;
 use kube_proxy::proxy::RenderOptions;
@@ -62,6 +64,9 @@ impl NftBackend for Capture {
     fn table_exists(&mut self, _: IpFamily) -> Result<bool, NftError> {
         Ok(true)
     }
+    fn objects(&mut self, _: IpFamily) -> Result<Option<TableObjects>, NftError> {
+        Ok(None)
+    }
 }
 
 /// Measures the time spent in the backend (the kernel, or `nft`) apart from ours.
@@ -77,55 +82,128 @@ impl NftBackend for Timed {
     fn table_exists(&mut self, family: IpFamily) -> Result<bool, NftError> {
         self.0.table_exists(family)
     }
+    fn objects(&mut self, family: IpFamily) -> Result<Option<TableObjects>, NftError> {
+        self.0.objects(family)
+    }
+    fn apply_parts(&mut self, family: IpFamily, parts: &mut dyn Iterator<Item = Transaction>) -> Result<(), NftError> {
+        let t = Instant::now();
+        let r = self.0.apply_parts(family, parts);
+        *self.1.lock().expect("timer") += t.elapsed();
+        r
+    }
 }
 
-/// The kernel's own cost of a change on the loaded table, over netlink: one set element (no
-/// validation) and one verdict-map element that jumps to an existing chain (which makes the
-/// kernel validate every chain reachable from the base chains at commit).
+/// The commands of one change, and those that undo it.
+type AddUndo = (Vec<kube_proxy::nftables::ast::Op>, Vec<kube_proxy::nftables::ast::Op>);
+
+/// The kernel's own cost of each kind of change on the loaded table, over netlink (median of
+/// 20 commits of an add, each undone by a second transaction): which kinds make the kernel
+/// validate every chain reachable from the base chains at commit (loop detection and hook
+/// checks), and which do not.
 fn kernel_floor(state: &ProxyState) {
-    use kube_proxy::nftables::ast::{ElemKey, Element, Op, Verdict};
+    use kube_proxy::nftables::ast::{ChainDecl, ElemKey, ElemValue, Element, Match, Op, Rule, Statement, Verdict};
+    use kube_proxy::nftables::names::service_endpoints;
     let mut socket = kube_proxy::nftables::netlink::NftSocket::new().expect("netlink socket");
+    let sp = &state.service_ports[0].port;
     let chain = kube_proxy::nftables::names::ServicePortChains::new(
-        &state.service_ports[0].port.name.namespace,
-        &state.service_ports[0].port.name.name,
-        state.service_ports[0].port.protocol.lower(),
-        &state.service_ports[0].port.name.port,
+        &sp.name.namespace,
+        &sp.name.name,
+        sp.protocol.lower(),
+        &sp.name.port,
     )
     .cluster;
     let ip: std::net::IpAddr = "10.255.255.254".parse().expect("ip");
-    let mut run = |set: &str, value: Option<Verdict>, key: ElemKey| {
+    let tcp = kube_proxy::model::Protocol::Tcp;
+    let mut run = |add: Vec<Op>, undo: Vec<Op>| {
         let mut times = Vec::new();
         for _ in 0..20 {
-            let mut add = Transaction::new(IpFamily::V4);
-            add.push(Op::AddElement {
-                set: set.into(),
-                element: Element {
-                    key: key.clone(),
-                    value: value.clone(),
-                    comment: None,
-                },
-            });
-            let mut del = Transaction::new(IpFamily::V4);
-            del.push(Op::DeleteElement {
-                set: set.into(),
-                key: key.clone(),
-            });
+            let tx = |ops: &Vec<Op>| Transaction {
+                family: IpFamily::V4,
+                ops: ops.clone(),
+            };
             let t = Instant::now();
-            socket.apply(&add).expect("add element");
+            socket.apply(&tx(&add)).expect("add");
             times.push(t.elapsed());
-            socket.apply(&del).expect("delete element");
+            socket.apply(&tx(&undo)).expect("undo");
         }
         times.sort();
         times[times.len() / 2]
     };
-    let plain = run("cluster-ips", None, ElemKey::Addr(ip));
-    let vmap = run(
-        "service-ips",
-        Some(Verdict::Goto(chain)),
-        ElemKey::AddrProtoPort(ip, kube_proxy::model::Protocol::Tcp, 80),
-    );
-    println!("{:<44} {:>12}", "  kernel floor: add a set element (median)", ms(plain));
-    println!("{:<44} {:>12}", "  kernel floor: add a vmap goto element", ms(vmap));
+    let element = |set: &str, key: ElemKey, value: Option<ElemValue>| {
+        let add = vec![Op::AddElement {
+            set: set.into(),
+            element: Element {
+                key: key.clone(),
+                value,
+                comment: None,
+            },
+        }];
+        let undo = vec![Op::DeleteElement { set: set.into(), key }];
+        (add, undo)
+    };
+    // A chain nothing refers to, with one rule; its deletion undoes it.
+    let lone_chain = |rule: Rule| {
+        let add = vec![
+            Op::AddChain(ChainDecl::regular("bench-lone")),
+            Op::AddRule {
+                chain: "bench-lone".into(),
+                rule,
+            },
+        ];
+        let undo = vec![
+            Op::FlushChain("bench-lone".into()),
+            Op::DeleteChain("bench-lone".into()),
+        ];
+        (add, undo)
+    };
+    // Numbers above the last block: never allocated.
+    let free = kube_proxy::nftables::blocks::start(kube_proxy::nftables::blocks::BLOCKS);
+    let cases: Vec<(&str, AddUndo)> = vec![
+        ("a set element", element("cluster-ips", ElemKey::Addr(ip), None)),
+        (
+            "an interval → address . port (endpoint)",
+            element(
+                service_endpoints(tcp, kube_proxy::nftables::blocks::BLOCKS),
+                ElemKey::Range(free, free + 99),
+                Some(ElemValue::AddrPort("10.244.0.1:80".parse().expect("sa"))),
+            ),
+        ),
+        (
+            "a vmap element: drop",
+            element(
+                "no-endpoint-services",
+                ElemKey::AddrProtoPort(ip, tcp, 80),
+                Some(Verdict::Drop.into()),
+            ),
+        ),
+        (
+            "a vmap element: goto chain",
+            element(
+                "service-ips",
+                ElemKey::AddrProtoPort(ip, tcp, 80),
+                Some(Verdict::Goto(chain.clone()).into()),
+            ),
+        ),
+        (
+            "a chain + rule: accept",
+            lone_chain(Rule::verdict(vec![], Verdict::Accept)),
+        ),
+        (
+            "a chain + rule: dnat",
+            lone_chain(Rule::new(
+                vec![Match::L4proto(tcp)],
+                Statement::Dnat("10.244.0.1:80".parse().expect("sa")),
+            )),
+        ),
+        (
+            "a chain + rule: goto chain",
+            lone_chain(Rule::verdict(vec![], Verdict::Goto(chain.clone()))),
+        ),
+    ];
+    for (what, (add, undo)) in cases {
+        let d = run(add, undo);
+        println!("{:<44} {:>12}", format!("  kernel: add {what}"), ms(d));
+    }
 }
 
 fn nft_f(text: &str) {
@@ -261,8 +339,20 @@ fn main() {
                 ms(backend_times[backend_times.len() / 2]),
                 ms(backend_times[((backend_times.len() as f64 - 1.0) * 0.99).round() as usize])
             );
+            // A restart: a new proxier over the loaded table replaces it in one transaction.
+            let restart = if b == "netlink" && env("RESTART", "1") != "0" {
+                drop(p);
+                let mut p = NftProxier::with_backend(IpFamily::V4, opts.clone(), backend(b));
+                let t = Instant::now();
+                p.sync(&current).expect("restart sync");
+                let d = t.elapsed();
+                println!("{:<44} {:>12}", "restart: replace the loaded table", ms(d));
+                ms(d)
+            } else {
+                "–".into()
+            };
             summary.push(format!(
-                "| {services} × {endpoints} | {b} | {} | {} | {} | {} | {} |",
+                "| {services} × {endpoints} | {b} | {} | {} | {} | {} | {} | {restart} |",
                 floor_time.map_or("–".into(), ms),
                 ms(cold),
                 floor_time.map_or("–".into(), |f| format!("{:.2}", cold.as_secs_f64() / f.as_secs_f64())),
@@ -272,9 +362,9 @@ fn main() {
         }
     }
     println!(
-        "\n| Services × endpoints | backend | floor (nft -f, same transactions) | cold sync | ratio | change p50 | change p99 |"
+        "\n| Services × endpoints | backend | floor (nft -f, same transactions) | cold sync | ratio | change p50 | change p99 | restart |"
     );
-    println!("|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|");
     for line in summary {
         println!("{line}");
     }

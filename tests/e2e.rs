@@ -14,7 +14,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use common::cluster::{BIN, Cluster, NEEDS, SYNC_PERIOD_S};
+use common::cluster::{BIN, Cluster, NEEDS, SYNC_PERIOD_S, names_endpoint, stop_daemon};
 use common::harness::{Requirement, test};
 use common::load::{StopOnDrop, connect_until};
 use common::wait_until;
@@ -59,6 +59,14 @@ fn web_in(family: IpFamily, eps: &[Ep]) -> String {
 
 fn web(eps: &[Ep]) -> String {
     web_in(IpFamily::V4, eps)
+}
+
+/// [`web`] with ClientIP session affinity (a chain per endpoint in nftables mode too).
+fn web_with_affinity(eps: &[Ep]) -> String {
+    let mut svc = ServiceSpec::new("web", CLUSTER_IP, eps);
+    svc.node_port = Some(NODE_PORT);
+    svc.spec_extra = "  sessionAffinity: ClientIP\n";
+    manifests(&[svc])
 }
 
 /// Every endpoint of the bed, in `family`.
@@ -118,7 +126,7 @@ fn scaling_to_four_endpoints_goes_live(mode: &'static str, f: IpFamily) {
     let changed = Instant::now();
     c.dir.write(&web_in(f, &all_in(&c.bed, f)));
     wait_until(Duration::from_secs(10), "the new endpoint's DNAT", || {
-        c.rules().contains(&new.to_string())
+        names_endpoint(&c.rules(), new)
     });
     println!("file change → new endpoint's rules live: {:?}", changed.elapsed());
     let report = c.probe_client(&ProbeArgs::tcp(cip_in(f, 80)).with_count(100));
@@ -447,16 +455,17 @@ fn a_flushed_nat_table_is_repaired_within_the_sync_period() {
 }
 
 /// nftables mode: a removed endpoint's chain is flushed at once and deleted a second later
-/// without any further change; a deleted table is rebuilt within the sync period.
+/// without any further change; a deleted table is rebuilt within the sync period. (Endpoint
+/// chains exist for ClientIP affinity; other Services choose endpoints by map elements.)
 fn nftables_deletes_stale_chains_later_and_rebuilds_a_deleted_table() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let c = Cluster::start_in("nftables", "nftstale", 2, |b| {
-        web(&b.endpoints().iter().map(|e| local(e.ip)).collect::<Vec<_>>())
+        web_with_affinity(&b.endpoints().iter().map(|e| local(e.ip)).collect::<Vec<_>>())
     });
     let gone = c.bed.endpoint(1).server_addr();
     let chain_of_gone = format!("__{}/{}", gone.ip(), gone.port());
     assert!(c.rules().contains(&chain_of_gone), "{}", c.rules());
-    c.dir.write(&web(&[local(c.bed.endpoint(0).ip)]));
+    c.dir.write(&web_with_affinity(&[local(c.bed.endpoint(0).ip)]));
     let changed = Instant::now();
     wait_until(Duration::from_secs(10), "the removed endpoint's DNAT gone", || {
         !c.rules().contains(&format!("dnat to {gone}"))
@@ -592,12 +601,7 @@ fn a_mode_switch_under_load_loses_no_connection() {
         });
         let mut switches = Vec::new();
         for to in ["nftables", "iptables"] {
-            let mut old = c.daemon.take().expect("daemon running");
-            let stopped = Instant::now();
-            old.signal(nix::sys::signal::Signal::SIGTERM).expect("SIGTERM");
-            old.wait_timeout(Duration::from_secs(5))
-                .expect("wait")
-                .expect("daemon exited");
+            let stopped = stop_daemon(&mut c.daemon, nix::sys::signal::Signal::SIGTERM);
             c.mode = to;
             let daemon = c.spawn_synced_daemon();
             c.daemon = Some(daemon);
@@ -673,6 +677,107 @@ fn a_mode_switch_under_load_loses_no_connection() {
         c.iptables_mode_rules().iter().any(|l| l.contains("KUBE-SVC-")),
         "iptables mode serves"
     );
+}
+
+/// Services probed across a restart: the first and the last in the sync order, and `web`.
+const RESTART_PROBED: [(&str, &str); 3] = [
+    ("aaa-first", "10.96.165.20"),
+    ("web", CLUSTER_IP),
+    ("zzz-last", "10.96.165.30"),
+];
+
+/// The manifests of the restart test: the probed Services on every endpoint, and
+/// `RESTART_FILLERS` one-endpoint Services between them in the sync order, so that a table
+/// built from nothing takes several transactions.
+const RESTART_FILLERS: usize = 4000;
+
+fn restart_manifests(b: &Testbed) -> String {
+    let eps: Vec<Ep> = b.endpoints().iter().map(|e| local(e.ip)).collect();
+    let one = [local(b.endpoint(0).ip)];
+    let fillers: Vec<(String, String)> = (0..RESTART_FILLERS)
+        .map(|i| {
+            (
+                format!("mmm-fill-{i:04}"),
+                format!("10.96.{}.{}", 10 + i / 250, 1 + i % 250),
+            )
+        })
+        .collect();
+    let mut specs: Vec<ServiceSpec> = RESTART_PROBED
+        .iter()
+        .map(|(n, ip)| ServiceSpec::new(n, ip, &eps))
+        .collect();
+    specs.extend(fillers.iter().map(|(n, ip)| ServiceSpec::new(n, ip, &one)));
+    manifests(&specs)
+}
+
+/// nftables mode: the daemon killed (SIGKILL) and restarted twice, with 4,003 Services, while
+/// new connections go to the first, a middle and the last Service of the sync order and one
+/// stream echoes through `web`. The restarted daemon replaces the table in one transaction:
+/// not one connect fails, and the stream loses nothing.
+fn nftables_restart_under_load_loses_no_connection() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut c = Cluster::start_in("nftables", "nftrestart", 3, restart_manifests);
+    // Long enough to span both restarts (about 12 s each to the first sync, in a debug build).
+    const STREAM_S: f64 = 45.0;
+    let stream_args = ProbeArgs::tcp(cip(80))
+        .with_stream_seconds(STREAM_S)
+        .with_interval_ms(20);
+    let stop = AtomicBool::new(false);
+    let counters: Vec<AtomicUsize> = RESTART_PROBED.iter().map(|_| AtomicUsize::new(0)).collect();
+    let batches: Vec<ProbeArgs> = RESTART_PROBED
+        .iter()
+        .map(|(_, ip)| ProbeArgs::tcp(SocketAddr::new(ip.parse().expect("ip"), 80)).with_count(50))
+        .collect();
+    let t0 = Instant::now();
+    let (stream, loads, restarts) = std::thread::scope(|s| {
+        let bed = &c.bed;
+        let stream = s.spawn(move || bed.probe(&bed.client, &stream_args).expect("stream probe"));
+        let _stop = StopOnDrop(&stop);
+        let loads: Vec<_> = batches
+            .iter()
+            .zip(&counters)
+            .map(|(batch, n)| s.spawn(|| connect_until(bed, batch, &stop, n)))
+            .collect();
+        let running = |k: usize| counters.iter().all(|n| n.load(Ordering::SeqCst) >= k);
+        wait_until(Duration::from_secs(10), "the load running", || running(2));
+        let mut restarts = Vec::new();
+        for _ in 0..2 {
+            let killed = stop_daemon(&mut c.daemon, nix::sys::signal::Signal::SIGKILL);
+            let daemon = c.spawn_synced_daemon();
+            c.daemon = Some(daemon);
+            restarts.push((killed, killed.elapsed()));
+            let after = counters.iter().map(|n| n.load(Ordering::SeqCst)).min().unwrap_or(0) + 2;
+            wait_until(Duration::from_secs(10), "the load after the restart", || running(after));
+        }
+        stop.store(true, Ordering::SeqCst);
+        let loads: Vec<_> = loads.into_iter().map(|l| l.join().expect("load thread")).collect();
+        (stream.join().expect("stream thread"), loads, restarts)
+    });
+    for ((name, _), load) in RESTART_PROBED.iter().zip(&loads) {
+        for (killed, took) in &restarts {
+            let (during, failed) = load.during(*killed, *killed + *took);
+            println!("{name}: restart took {took:?} to its first sync; {during} connects meanwhile, {failed} failed");
+            assert!(during >= 5, "the load to {name} covers the restart: {during} connects");
+        }
+        let failed = load.failed();
+        assert!(
+            failed.is_empty(),
+            "{name}: failed connects: {failed:?}\n{}",
+            c.daemon_log()
+        );
+    }
+    let st = stream.stream.as_ref().expect("stream report");
+    assert!(stream.attempts[0].ok, "the stream connected: {stream:?}");
+    assert!(
+        st.errors.is_empty() && st.echoed == st.sent,
+        "every line of the stream echoed: {st:?}"
+    );
+    let last = restarts.last().map(|(k, t)| *k + *t - t0).expect("restarts");
+    assert!(
+        last + Duration::from_secs(1) < Duration::from_secs_f64(STREAM_S),
+        "the stream spans the restarts: done at {last:?}"
+    );
+    assert!(st.sent as f64 >= STREAM_S * 1000.0 / 20.0 * 0.5, "{st:?}");
 }
 
 fn bind_address_hard_fail_exits_when_the_healthz_port_is_taken() {
@@ -766,7 +871,7 @@ fn dual_stack_service_is_reached_over_both_families(mode: &'static str) {
             let rules = c.rules();
             [IpFamily::V4, IpFamily::V6]
                 .iter()
-                .all(|&f| !rules.contains(&gone.server_addr_in(f).to_string()))
+                .all(|&f| !names_endpoint(&rules, gone.server_addr_in(f)))
         },
     );
     for f in [IpFamily::V4, IpFamily::V6] {
@@ -801,6 +906,7 @@ const ONCE: &[(&str, fn())] = &common::harness::named![
     kill_9_keeps_streams_and_restart_converges_without_duplicates,
     a_flushed_nat_table_is_repaired_within_the_sync_period,
     nftables_deletes_stale_chains_later_and_rebuilds_a_deleted_table,
+    nftables_restart_under_load_loses_no_connection,
     cleanup_removes_everything_we_own,
     switching_modes_removes_the_other_modes_rules_both_ways,
     a_mode_switch_under_load_loses_no_connection,

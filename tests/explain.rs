@@ -13,7 +13,7 @@ use std::process::ExitCode;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use common::cluster::{BIN, Cluster, NEEDS};
+use common::cluster::{BIN, Cluster, NEEDS, names_endpoint};
 use common::explain::Explained;
 use common::wait_until;
 use kube_proxy::lab::probe::{ProbeArgs, ProbeReport};
@@ -68,10 +68,11 @@ fn a_healthy_service_has_no_diagnosis(mode: &'static str) {
     assert_eq!(x.code, 0, "{}", x.text);
     assert_eq!(x.problems(), Vec::<String>::new());
     assert!(x.text.contains("Diagnosis: nothing wrong found."), "{}", x.text);
-    // The kernel's own rule lines, each endpoint's DNAT among them.
+    // The kernel's own rule lines, each endpoint's DNAT among them (in nftables mode, its
+    // interval of the `service-endpoints-…` map).
     for e in c.bed.endpoints() {
         let dnat = if mode == "nftables" {
-            format!("dnat to {}", e.server_addr())
+            format!(" : {} . {}", e.ip, e.server_addr().port())
         } else {
             format!("--to-destination {}", e.server_addr())
         };
@@ -193,23 +194,23 @@ fn source_ranges_that_exclude_the_client(mode: &'static str) {
 fn rules_changed_behind_the_daemons_back(mode: &'static str) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let c = start(mode, "edit", 1, |b| web(&all_local(b)));
-    let ep = c.bed.endpoint(0).server_addr().to_string();
+    let ep = c.bed.endpoint(0).server_addr();
     if mode == "nftables" {
+        // The endpoint is an interval of the `service-endpoints-…` map the Service's chain
+        // looks up: the map flushed, nothing is DNATed.
         let table = c
             .bed
             .node
             .exec_ok("nft", ["list", "table", "ip", "kube-proxy"])
             .expect("nft");
-        let chain = table
-            .lines()
-            .filter_map(|l| l.trim().strip_prefix("chain "))
-            .map(|l| l.trim_end_matches(" {"))
-            .find(|n| n.starts_with("endpoint-"))
-            .expect("an endpoint chain")
-            .to_string();
+        let lines: Vec<String> = table.lines().map(|l| l.trim().to_string()).collect();
+        let map = kube_proxy::nftables::readback::endpoint_maps(&lines)
+            .into_iter()
+            .next()
+            .expect("a service-endpoints map");
         c.bed
             .node
-            .exec_ok("nft", ["flush", "chain", "ip", "kube-proxy", &chain])
+            .exec_ok("nft", ["flush", "map", "ip", "kube-proxy", &map])
             .expect("flush");
     } else {
         let nat = c.nat();
@@ -224,7 +225,7 @@ fn rules_changed_behind_the_daemons_back(mode: &'static str) {
             .exec_ok("iptables", ["-t", "nat", "-F", &sep])
             .expect("flush");
     }
-    // The flushed endpoint chain no longer translates: the connections go nowhere.
+    // The flushed endpoint chain (map) no longer translates: the connections go nowhere.
     let r = probe(&c, &ProbeArgs::tcp(cip()).with_count(2).with_timeout_ms(700));
     assert_eq!(r.ok_count(), 0, "{:?}", r.errors());
     let x = explain(&c, &["web"]);
@@ -234,7 +235,7 @@ fn rules_changed_behind_the_daemons_back(mode: &'static str) {
     assert!(
         diffs
             .iter()
-            .any(|d| d["kind"] == "missing" && d["line"].as_str().unwrap_or("").contains(&ep)),
+            .any(|d| d["kind"] == "missing" && names_endpoint(d["line"].as_str().unwrap_or(""), ep)),
         "{diffs:?}"
     );
     assert!(x.text.contains("missing in "), "{}", x.text);
@@ -354,7 +355,7 @@ fn rules_left_by_another_mode(mode: &'static str) {
         _ => c.nat(),
     };
     wait_until(Duration::from_secs(15), "the daemon's rules back", || {
-        own().contains(CLUSTER_IP) && own().contains(&c.bed.endpoint(0).server_addr().to_string())
+        own().contains(CLUSTER_IP) && names_endpoint(&own(), c.bed.endpoint(0).server_addr())
     });
     let x = explain(&c, &["web"]);
     assert_eq!(x.problems(), vec!["leftover-mode"], "{}", x.text);
@@ -394,9 +395,9 @@ fn long_lived_connections_stay_on_one_endpoint(mode: &'static str) {
         // Opened while the Service had one endpoint; then it gets two more.
         std::thread::sleep(Duration::from_secs(2));
         c.dir.write(&web(&all_local(&c.bed)));
-        let third = c.bed.endpoint(2).server_addr().to_string();
+        let third = c.bed.endpoint(2).server_addr();
         wait_until(Duration::from_secs(10), "three endpoints", || {
-            c.rules().contains(&third)
+            names_endpoint(&c.rules(), third)
         });
         let x = explain(&c, &["web"]);
         assert_eq!(x.problems(), vec!["concentrated"], "{}", x.text);

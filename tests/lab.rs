@@ -55,8 +55,8 @@ fn lab_runs_in_nftables_mode() {
         String::from_utf8_lossy(&out.stderr)
     );
     for needle in [
-        "nftables mode", "numgen random mod 3 vmap", "dnat to 10.244.4.2:8080", "goto reject-chain", "refused after",
-        "| Diagnosis: nothing wrong found.", "(exit status 1)", "Done:",
+        "nftables mode", "to numgen random mod 55440 offset", "(10.244.4.2 . 8080) live", "@reject-services reject",
+        "refused after", "| Diagnosis: nothing wrong found.", "(exit status 1)", "Done:",
     ] {
         assert!(stdout.contains(needle), "report lacks {needle:?}:\n{stdout}");
     }

@@ -164,14 +164,27 @@ fn reference(st: ProxyState) -> BTreeMap<String, Value> {
 }
 
 fn incremental_matches_full_render(backend: fn() -> Box<dyn NftBackend>) {
+    synced_states_match_full_render(backend, None);
+}
+
+/// Syncs six random states, restarting the proxier (a new one over the same table) before
+/// the state at index `restart_at`, and compares the table with a full render of the last.
+fn synced_states_match_full_render(backend: fn() -> Box<dyn NftBackend>, restart_at: Option<usize>) {
     for run in 0..4u64 {
         let seeds: Vec<u64> = (0..6).map(|i| run * 100 + i).collect();
         let last = state(*seeds.last().expect("seeds"));
         let got = in_fresh_netns(move || {
-            let mut p = NftProxier::with_backend(IpFamily::V4, opts(), backend());
-            // Small transactions, so full syncs are split too.
-            p.set_max_ops_per_transaction(40);
-            for s in &seeds {
+            let new = || {
+                let mut p = NftProxier::with_backend(IpFamily::V4, opts(), backend());
+                // Small transactions, so full syncs are split too.
+                p.set_max_ops_per_transaction(40);
+                p
+            };
+            let mut p = new();
+            for (i, s) in seeds.iter().enumerate() {
+                if restart_at == Some(i) {
+                    p = new();
+                }
                 let st = state(*s);
                 if let Err(e) = p.sync(&st) {
                     panic!("sync of state {s} failed: {e}");
@@ -203,8 +216,22 @@ fn incremental_syncs_over_netlink_match_a_full_render() {
     });
 }
 
+/// A restart finds the table of the previous process and replaces it in place.
+fn a_restart_over_netlink_replaces_the_table_and_matches_a_full_render() {
+    synced_states_match_full_render(
+        || Box::new(kube_proxy::nftables::netlink::NftSocket::new().expect("netlink socket")),
+        Some(3),
+    );
+}
+
+fn a_restart_with_nft_replaces_the_table_and_matches_a_full_render() {
+    synced_states_match_full_render(|| Box::new(NftCommand), Some(3));
+}
+
 common::harness::main! {
     &[Root, Tool("nft")] =>
         incremental_syncs_with_nft_match_a_full_render,
-        incremental_syncs_over_netlink_match_a_full_render;
+        incremental_syncs_over_netlink_match_a_full_render,
+        a_restart_over_netlink_replaces_the_table_and_matches_a_full_render,
+        a_restart_with_nft_replaces_the_table_and_matches_a_full_render;
 }

@@ -12,7 +12,8 @@ use crate::iptables::IptablesRenderOptions;
 use crate::iptables::render::{RenderContext, render_service};
 use crate::ipvs::render::{IpvsRenderOptions, IpvsService};
 use crate::model::{ProxyState, ServicePort, ServicePortName, ServicePortState};
-use crate::nftables::render::ServiceRenderer;
+use crate::nftables::blocks::{Blocks, PortBlocks};
+use crate::nftables::render::{ServiceRenderer, allocate_blocks};
 use crate::nftables::ruleset::Ruleset;
 use crate::proxy::{Programmed, ProgrammedSection, RenderOptions};
 use crate::{ipvs, nftables};
@@ -20,8 +21,9 @@ use crate::{ipvs, nftables};
 /// What a mode needs, rendered once per state, to give any port's rules.
 pub enum DesiredRules {
     Iptables(Box<RenderContext>),
-    /// The table's setup (fixed chains, empty maps), to which each port's part is added.
-    Nftables(Box<ServiceRenderer>, Box<Ruleset>),
+    /// The table's setup (fixed chains, empty maps), to which each port's part is added, and
+    /// the numgen blocks of each port, allocated in state order as a sync from nothing does.
+    Nftables(Box<ServiceRenderer>, Box<Ruleset>, HashMap<ServicePortName, PortBlocks>),
     /// The virtual servers of each service port.
     Ipvs(HashMap<ServicePortName, Vec<IpvsService>>),
 }
@@ -48,7 +50,13 @@ impl DesiredRules {
                 let renderer = ServiceRenderer::new(state, &RenderOptions::from_config(cfg, family, node));
                 // Our own setup always applies to an empty table.
                 let base = Ruleset::from_transaction(&renderer.setup(true)).unwrap_or_else(|_| Ruleset::new(family));
-                DesiredRules::Nftables(Box::new(renderer), Box::new(base))
+                let mut taken = Blocks::default();
+                let blocks = state
+                    .service_ports
+                    .iter()
+                    .filter_map(|sps| Some((sps.port.name.clone(), allocate_blocks(&mut taken, sps)?)))
+                    .collect();
+                DesiredRules::Nftables(Box::new(renderer), Box::new(base), blocks)
             }
             ProxyMode::Ipvs => {
                 let rendered = ipvs::render::render(state, &IpvsRenderOptions::from_config(cfg, family, node));
@@ -71,9 +79,10 @@ impl DesiredRules {
                 sections.extend(by_chain("nat", &nat));
                 sections
             }
-            DesiredRules::Nftables(renderer, base) => {
+            DesiredRules::Nftables(renderer, base, blocks) => {
                 let mut table = (**base).clone();
-                match table.apply_all(&renderer.service(sps).ops) {
+                let port_blocks = blocks.get(&sps.port.name).copied();
+                match table.apply_all(&renderer.service(sps, port_blocks).ops) {
                     Ok(()) => nftables::readback::sections(&table, &sps.port),
                     Err(_) => Vec::new(),
                 }
@@ -136,7 +145,8 @@ pub fn canonical(mode: ProxyMode, place: &str, line: &str) -> String {
             crate::iptables::trace::canonical_rule(line, table).unwrap_or_else(|| line.to_string())
         }
         ProxyMode::Ipvs => line.split(" active ").next().unwrap_or(line).to_string(),
-        ProxyMode::Nftables => crate::nftables::readback::canonical_line(line),
+        // Which numbers a port's blocks are is the proxier's bookkeeping (see `without_blocks`).
+        ProxyMode::Nftables => nftables::readback::without_blocks(place, &nftables::readback::canonical_line(line)),
     }
 }
 
@@ -198,8 +208,16 @@ pub fn compare(mode: ProxyMode, port: &ServicePort, desired: &Programmed, actual
 }
 
 /// Places compared as equal: IPVS NodePort virtual servers by protocol and port only (their
-/// addresses are the node's interfaces, which the daemon lists and a render cannot know).
+/// addresses are the node's interfaces, which the daemon lists and a render cannot know);
+/// nftables' `service-endpoints-…` maps without their shard.
 fn place_key(mode: ProxyMode, port: &ServicePort, place: &str) -> String {
+    if mode == ProxyMode::Nftables {
+        // A port's intervals are in one shard of `service-endpoints-…`, which by its block.
+        return match place.rsplit_once(' ') {
+            Some((kind, name)) => format!("{kind} {}", nftables::readback::without_shard(name)),
+            None => place.to_string(),
+        };
+    }
     let mut words = place.split_whitespace();
     let (Some(proto), Some(addr), rest) = (words.next(), words.next(), words.collect::<Vec<_>>()) else {
         return place.to_string();

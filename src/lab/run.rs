@@ -392,7 +392,7 @@ impl<W: Write> Lab<'_, W> {
         write_manifests(self.dir, &web(&endpoints_of(&self.bed)))?;
         let live = poll(CHANGE_TIMEOUT, || serving(&self.bed, mode, cip, new_addr));
         let what = match mode {
-            ProxyMode::Nftables => format!("endpoint chain (dnat to {new_addr})"),
+            ProxyMode::Nftables => format!("its share of the numbers ({} . {})", new_addr.ip(), new_addr.port()),
             ProxyMode::Iptables => format!("{sep} (DNAT to {new_addr})"),
             ProxyMode::Ipvs => format!("real server {new_addr} (Masq, weight 1)"),
         };
@@ -431,11 +431,21 @@ impl<W: Write> Lab<'_, W> {
         let bed = &self.bed;
         match self.mode {
             ProxyMode::Nftables => {
-                let has_reject = || rules(bed, true).unwrap_or_default().contains("goto reject-chain");
+                // The ClusterIP's element in `reject-services`, which `service-endpoints-check`
+                // rejects by.
+                let key = format!("{CLUSTER_IP} . tcp . 80");
+                let has_reject =
+                    || set_elements(&rules(bed, true).unwrap_or_default(), "reject-services").contains(&key);
                 if poll(CHANGE_TIMEOUT, has_reject).is_some() {
-                    for l in rules(bed, true)?.lines().filter(|l| l.contains("reject")) {
+                    let listing = rules(bed, true)?;
+                    for l in listing.lines().filter(|l| l.contains("@reject-services")) {
                         writeln!(self.out, "   nft: {}", l.trim())?;
                     }
+                    writeln!(
+                        self.out,
+                        "   nft: set reject-services {{ {} }}",
+                        set_elements(&listing, "reject-services")
+                    )?;
                 }
             }
             ProxyMode::Iptables => {
@@ -568,7 +578,9 @@ fn leftover_namespaces(id: &str) -> Result<Vec<String>> {
 fn serving(bed: &Testbed, mode: ProxyMode, vip: SocketAddr, ep: SocketAddr) -> bool {
     match mode {
         ProxyMode::Ipvs => ipvs::real_servers(bed, vip).is_ok_and(|rs| rs.iter().any(|r| r.addr == ep && r.weight > 0)),
-        _ => rules(bed, mode == ProxyMode::Nftables).is_ok_and(|n| n.contains(&ep.to_string())),
+        // An element `NUMBERS : IP . PORT` of a `service-endpoints-…` map.
+        ProxyMode::Nftables => rules(bed, true).is_ok_and(|n| n.contains(&format!(": {} . {}", ep.ip(), ep.port()))),
+        ProxyMode::Iptables => rules(bed, false).is_ok_and(|n| n.contains(&ep.to_string())),
     }
 }
 
@@ -669,14 +681,37 @@ fn show_service(out: &mut impl Write, bed: &Testbed, nft: bool, svc_chain: &str)
     let listing = rules(bed, true)?;
     for l in listing.lines().map(str::trim) {
         if l.contains(CLUSTER_IP) && l.contains("goto")
-            || l.contains("numgen")
+            || l.contains("numgen") && !l.starts_with("typeof")
             || l.contains("dnat to")
             || (l.starts_with("chain service-") || l.starts_with("chain endpoint-")) && l.contains('/')
         {
             writeln!(out, "   {l}")?;
         }
     }
+    // The endpoints: each one's share of the numbers the service chain draws.
+    let lines: Vec<String> = listing.lines().map(|l| l.trim().to_string()).collect();
+    for map in crate::nftables::readback::endpoint_maps(&lines) {
+        writeln!(out, "   map {map} {{ {} }}", set_elements(&listing, &map))?;
+    }
     Ok(())
+}
+
+/// The elements of set or map `name` in a `nft list table` output, on one line.
+fn set_elements(listing: &str, name: &str) -> String {
+    let Some(start) = listing
+        .find(&format!("set {name} {{"))
+        .or_else(|| listing.find(&format!("map {name} {{")))
+    else {
+        return String::new();
+    };
+    let object = &listing[start..];
+    let object = &object[..object.find("\n\t}").unwrap_or(object.len())];
+    let Some(elements) = object.find("elements = {") else {
+        return String::new();
+    };
+    let body = &object[elements + "elements = {".len()..];
+    let body = body.split('}').next().unwrap_or("");
+    body.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
 fn bed_nat(bed: &Testbed) -> Result<String> {

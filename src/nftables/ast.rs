@@ -109,15 +109,43 @@ pub enum Match {
     L4proto(Protocol),
     /// `mark and 0x4000 == 0`
     MarkAndZero(u32),
+    /// `ct status dnat`: the connection's destination was translated.
+    CtStatusDnat,
+    /// `ip daddr . meta l4proto . th dport @set` (and the other [`VmapKey`]s): the packet's
+    /// key is an element of the named set.
+    InSet { key: VmapKey, set: String },
 }
 
-/// The key of a verdict-map lookup from the packet.
+/// The key of a verdict-map lookup or a set lookup from the packet.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum VmapKey {
     /// `ip daddr . meta l4proto . th dport`
     DaddrProtoPort,
     /// `meta l4proto . th dport`
     ProtoPort,
+    /// `ip saddr . ip daddr` (after DNAT, a hairpin connection has the endpoint as both)
+    SaddrDaddr,
+}
+
+impl VmapKey {
+    /// The key's text, as nft prints it.
+    pub fn text(self, family: IpFamily) -> String {
+        let ip_x = family_keyword(family);
+        match self {
+            VmapKey::DaddrProtoPort => format!("{ip_x} daddr . meta l4proto . th dport"),
+            VmapKey::ProtoPort => "meta l4proto . th dport".to_string(),
+            VmapKey::SaddrDaddr => format!("{ip_x} saddr . {ip_x} daddr"),
+        }
+    }
+
+    /// The set key type this lookup reads.
+    pub fn key_type(self) -> KeyType {
+        match self {
+            VmapKey::DaddrProtoPort => KeyType::AddrProtoPort,
+            VmapKey::ProtoPort => KeyType::ProtoPort,
+            VmapKey::SaddrDaddr => KeyType::AddrPair,
+        }
+    }
 }
 
 /// What a rule does once its matches hold.
@@ -139,6 +167,14 @@ pub enum Statement {
     Masquerade,
     /// `dnat to IP:PORT`
     Dnat(SocketAddr),
+    /// `dnat to numgen random mod MODULUS offset OFFSET map @MAP`: a random number in
+    /// `OFFSET .. OFFSET + MODULUS` looked up in an interval map of `address . port` (which
+    /// needs a `meta l4proto` match first). No match in the map: the rule does not match.
+    DnatNumgenMap {
+        modulus: u32,
+        offset: u32,
+        map: String,
+    },
     /// `update @set { ip saddr }` (then continue with the next rule)
     UpdateSaddr(String),
 }
@@ -194,14 +230,13 @@ impl Rule {
                 Match::FibLocal(dir) => format!("fib {} type local", dir.keyword()),
                 Match::L4proto(p) => format!("meta l4proto {}", p.lower()),
                 Match::MarkAndZero(mark) => format!("mark and {} == 0", mark_text(*mark)),
+                Match::CtStatusDnat => "ct status dnat".to_string(),
+                Match::InSet { key, set } => format!("{} @{set}", key.text(family)),
             });
         }
         parts.push(match &self.statement {
             Statement::Verdict(v) => v.to_string(),
-            Statement::Vmap { key, map } => match key {
-                VmapKey::DaddrProtoPort => format!("{ip_x} daddr . meta l4proto . th dport vmap @{map}"),
-                VmapKey::ProtoPort => format!("meta l4proto . th dport vmap @{map}"),
-            },
+            Statement::Vmap { key, map } => format!("{} vmap @{map}", key.text(family)),
             Statement::NumgenVmap(chains) => {
                 let elems: Vec<String> = chains
                     .iter()
@@ -214,6 +249,9 @@ impl Rule {
             Statement::MarkSetXor(m) => format!("mark set mark xor {}", mark_text(*m)),
             Statement::Masquerade => "masquerade fully-random".to_string(),
             Statement::Dnat(sa) => format!("dnat to {sa}"),
+            Statement::DnatNumgenMap { modulus, offset, map } => {
+                format!("dnat to {} map @{map}", numgen_text(*modulus, *offset))
+            }
             Statement::UpdateSaddr(set) => format!("update @{set} {{ {ip_x} saddr }}"),
         });
         let mut out = parts.join(" ");
@@ -230,6 +268,15 @@ impl Rule {
             Statement::NumgenVmap(chains) => chains.iter().map(String::as_str).collect(),
             _ => Vec::new(),
         }
+    }
+}
+
+/// `numgen random mod M [offset O]` (nft prints no `offset 0`).
+pub fn numgen_text(modulus: u32, offset: u32) -> String {
+    if offset == 0 {
+        format!("numgen random mod {modulus}")
+    } else {
+        format!("numgen random mod {modulus} offset {offset}")
     }
 }
 
@@ -275,15 +322,29 @@ pub enum KeyType {
     AddrProtoPort,
     /// `inet_proto . inet_service`
     ProtoPort,
+    /// `ipv4_addr . ipv4_addr`
+    AddrPair,
+    /// `typeof numgen random mod M`, intervals of it (`flags interval`).
+    Numgen(u32),
 }
 
-/// A named set or verdict map.
+/// What a map's elements map to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MapValue {
+    /// `: verdict`
+    Verdict,
+    /// `: ip daddr . tcp dport` (typeof; `udp`, `sctp` by the protocol), an address and a
+    /// port: the target of a `dnat`.
+    AddrPort(Protocol),
+}
+
+/// A named set or map.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct SetDecl {
     pub name: String,
     pub key: KeyType,
-    /// A verdict map (`: verdict`) rather than a set.
-    pub map: bool,
+    /// A map (`: verdict`, `: ADDR . PORT`) rather than a set.
+    pub map: Option<MapValue>,
     /// `flags dynamic,timeout ; timeout Ns` (ClientIP affinity sets).
     pub timeout_seconds: Option<u32>,
     pub comment: Option<String>,
@@ -299,10 +360,27 @@ impl SetDecl {
             KeyType::Addr => addr.to_string(),
             KeyType::AddrProtoPort => format!("{addr} . inet_proto . inet_service"),
             KeyType::ProtoPort => "inet_proto . inet_service".to_string(),
+            KeyType::AddrPair => format!("{addr} . {addr}"),
+            KeyType::Numgen(modulus) => numgen_text(modulus, 0),
         };
-        let mut spec = format!("type {key}");
-        if self.map {
-            spec.push_str(" : verdict");
+        // A numgen key has no `type` name (its size is the modulus'): nft declares it by
+        // `typeof`, and then the data too.
+        let mut spec = match self.key {
+            KeyType::Numgen(_) => format!("typeof {key}"),
+            _ => format!("type {key}"),
+        };
+        match (self.map, self.key) {
+            (None, _) => {}
+            (Some(MapValue::Verdict), _) => spec.push_str(" : verdict"),
+            (Some(MapValue::AddrPort(p)), KeyType::Numgen(_)) => {
+                let _ = write!(spec, " : {} daddr . {} dport", family_keyword(family), p.lower());
+            }
+            (Some(MapValue::AddrPort(_)), _) => {
+                let _ = write!(spec, " : {addr} . inet_service");
+            }
+        }
+        if self.interval() {
+            spec.push_str(" ; flags interval");
         }
         if let Some(t) = self.timeout_seconds {
             let _ = write!(spec, " ; flags dynamic,timeout ; timeout {t}s");
@@ -314,7 +392,17 @@ impl SetDecl {
     }
 
     fn kind(&self) -> &'static str {
-        if self.map { "map" } else { "set" }
+        if self.map.is_some() { "map" } else { "set" }
+    }
+
+    /// Whether elements are intervals of keys (`flags interval`).
+    pub fn interval(&self) -> bool {
+        matches!(self.key, KeyType::Numgen(_))
+    }
+
+    /// A verdict map.
+    pub fn is_vmap(&self) -> bool {
+        self.map == Some(MapValue::Verdict)
     }
 }
 
@@ -324,6 +412,17 @@ pub enum ElemKey {
     Addr(IpAddr),
     AddrProtoPort(IpAddr, Protocol, u16),
     ProtoPort(Protocol, u16),
+    /// (source, destination)
+    AddrPair(IpAddr, IpAddr),
+    /// An interval of numbers, both ends included.
+    Range(u32, u32),
+}
+
+impl ElemKey {
+    /// Whether `n` falls in this key (a range; a number equals no other key).
+    pub fn contains(&self, n: u32) -> bool {
+        matches!(self, ElemKey::Range(lo, hi) if (*lo..=*hi).contains(&n))
+    }
 }
 
 impl fmt::Display for ElemKey {
@@ -332,15 +431,58 @@ impl fmt::Display for ElemKey {
             ElemKey::Addr(ip) => write!(f, "{ip}"),
             ElemKey::AddrProtoPort(ip, p, port) => write!(f, "{ip} . {} . {port}", p.lower()),
             ElemKey::ProtoPort(p, port) => write!(f, "{} . {port}", p.lower()),
+            ElemKey::AddrPair(a, b) => write!(f, "{a} . {b}"),
+            ElemKey::Range(lo, hi) if lo == hi => write!(f, "{lo}"),
+            ElemKey::Range(lo, hi) => write!(f, "{lo}-{hi}"),
         }
     }
 }
 
-/// A set element (`value: None`) or a verdict-map element.
+/// The value of a map element.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ElemValue {
+    Verdict(Verdict),
+    /// `ADDR . PORT` (printed `[fd00::1] . 80`-free: nft prints `fd00::1 . 80`).
+    AddrPort(SocketAddr),
+}
+
+impl ElemValue {
+    /// The chain a verdict value continues in, if any.
+    pub fn chain(&self) -> Option<&str> {
+        match self {
+            ElemValue::Verdict(v) => v.chain(),
+            ElemValue::AddrPort(_) => None,
+        }
+    }
+
+    pub fn verdict(&self) -> Option<&Verdict> {
+        match self {
+            ElemValue::Verdict(v) => Some(v),
+            ElemValue::AddrPort(_) => None,
+        }
+    }
+}
+
+impl From<Verdict> for ElemValue {
+    fn from(v: Verdict) -> ElemValue {
+        ElemValue::Verdict(v)
+    }
+}
+
+impl fmt::Display for ElemValue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ElemValue::Verdict(v) => v.fmt(f),
+            ElemValue::AddrPort(sa) => write!(f, "{} . {}", sa.ip(), sa.port()),
+        }
+    }
+}
+
+/// A set element (`value: None`) or a map element.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Element {
     pub key: ElemKey,
-    pub value: Option<Verdict>,
+    pub value: Option<ElemValue>,
     pub comment: Option<String>,
 }
 

@@ -5,6 +5,8 @@
 //! programmed table (`ruleset`) and the proxier that keeps the kernel in step.
 
 pub mod ast;
+pub mod backend;
+pub mod blocks;
 pub mod names;
 pub mod netlink;
 pub mod proxier;

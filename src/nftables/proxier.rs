@@ -1,40 +1,49 @@
 //! The nftables proxier: keeps one family's `kube-proxy` table equal to the model by sending
 //! only what changed, as one atomic transaction per sync.
 //!
-//! It never lists the table: what it programmed is known from the service ports it synced
-//! last (re-rendered on demand, so memory stays at one `ServicePortState` per port) and from
-//! the owners of each set/map element (a ClusterIP in `cluster-ips` may belong to several
-//! ports). A sync renders only changed ports, rewrites only chains whose rules changed, adds
-//! and deletes only the elements that changed, flushes chains it stopped using and deletes
-//! them at least a second later (as upstream does: a flushed chain can still be referenced
-//! by rules the kernel has not released yet).
+//! It never lists the table's contents: what it programmed is known from the service ports it
+//! synced last (re-rendered on demand, so memory stays at one `ServicePortState` per port,
+//! plus the numgen blocks each holds), from the owners of each set/map element (a ClusterIP in
+//! `cluster-ips` may belong to several ports) and from a count per hairpin element. A sync
+//! renders only changed ports, rewrites only chains whose rules changed, adds and deletes only
+//! the elements that changed — for the common changes, endpoints coming, going or changing
+//! readiness, nothing but elements of `service-endpoints-…` and `hairpin-endpoints` — flushes
+//! chains it stopped using and deletes them at least a second later (as upstream does: a
+//! flushed chain can still be referenced by rules the kernel has not released yet).
 //!
-//! A full sync (start, a failed transaction, a changed node/options, the table gone) deletes
-//! and rebuilds the table in bounded transactions, the `kubernetes` Service and cluster DNS
-//! in the first one: one huge transaction is quadratic in the kernel (see FLOOR.md) and
-//! would hold the nftables mutex for minutes at 40k Services.
+//! A full sync (start, a failed transaction, a changed node/options, the table gone) lists the
+//! table's chains and sets once. With no table it builds one in bounded transactions, the
+//! `kubernetes` Service and cluster DNS in the first (one huge transaction of upstream's
+//! layout is quadratic in the kernel, see FLOOR.md). With a table there — a restart — it
+//! replaces everything in one transaction, encoded as it is rendered: until the commit every
+//! Service works by the old rules, after it by the new ones, and nothing is deleted before its
+//! replacement is live. Chains and sets of the old table that are no longer wanted are flushed
+//! by that transaction and deleted a second later.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::net::IpAddr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::ast::{ElemKey, Element, Op, Rule, SetDecl, Transaction, family_keyword};
-use super::names::TABLE;
+use super::ast::{ChainDecl, ElemKey, Element, Op, Rule, SetDecl, Transaction, family_keyword};
+use super::backend::{ListedSet, TableObjects, compatible};
+pub use super::backend::{
+    NftBackend, NftCommand, NftError, ReadTable, Recorded, RecordingBackend, delete_table, nft_apply, table_exists,
+};
+use super::blocks::{Blocks, PortBlocks};
+use super::names::{HAIRPIN_ENDPOINTS, TABLE, is_affinity_set_name, is_service_endpoints};
 use super::netlink::ReadScope;
 use super::netlink::decode::Undecoded;
 use super::readback;
-use super::render::ServiceRenderer;
-use super::ruleset::Ruleset;
+use super::render::{ServiceRenderer, update_blocks};
 use crate::config::ProxyMode;
-use crate::exec;
 use crate::model::{IpFamily, Protocol, ProxyState, ServicePort, ServicePortName, ServicePortState};
 use crate::proxy::{Programmed, Proxier, ReadBackError, RenderOptions, SyncContext, SyncError, SyncReport};
 
 /// Chains flushed by a sync are deleted by the first sync at least this much later.
 pub const STALE_CHAIN_DELAY: Duration = Duration::from_secs(1);
 
-/// A full sync sends at most about this many commands per transaction (a few hundred
-/// service ports of 10 endpoints; see the benchmark for the choice).
+/// A full sync without a table sends at most about this many commands per transaction.
 pub const MAX_OPS_PER_TRANSACTION: usize = 20_000;
 
 /// Services programmed in the first transaction of a full sync: without them nothing in the
@@ -45,162 +54,18 @@ pub const PRIORITY_SERVICES: [(&str, &str); 3] = [
     ("kube-system", "coredns"),
 ];
 
-/// A transaction the kernel (or `nft`) refused; nothing of it was applied.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct NftError(pub String);
-
-/// Where transactions go: `nft -f -`, netlink, or a recording fake.
-pub trait NftBackend: Send {
-    /// Applies `tx` atomically (an empty transaction is a no-op).
-    fn apply(&mut self, tx: &Transaction) -> Result<(), NftError>;
-    /// Whether the family's `kube-proxy` table exists.
-    fn table_exists(&mut self, family: IpFamily) -> Result<bool, NftError>;
-    /// The family's table as the kernel holds it, read back over netlink (whole, or some
-    /// chains and maps): the model and the rules that are not of kube-proxy's shapes; `None`
-    /// when the table does not exist.
-    fn read(&mut self, family: IpFamily, scope: &ReadScope) -> Result<Option<ReadTable>, NftError> {
-        let mut socket = super::netlink::NftSocket::new().map_err(|e| NftError(format!("opening netlink: {e}")))?;
-        NftBackend::read(&mut socket, family, scope)
-    }
-}
-
-/// A table read back: its model, and the rules it holds that kube-proxy did not write.
-pub type ReadTable = (Ruleset, Vec<Undecoded>);
-
-/// The `nft` command: each transaction is piped to `nft -f -`.
-#[derive(Debug, Default)]
-pub struct NftCommand;
-
-impl NftBackend for NftCommand {
-    fn apply(&mut self, tx: &Transaction) -> Result<(), NftError> {
-        if tx.is_empty() {
-            return Ok(());
-        }
-        nft_apply(&tx.text())
-    }
-
-    fn table_exists(&mut self, family: IpFamily) -> Result<bool, NftError> {
-        // `list tables` prints names only; `list table` would print every rule (seconds at
-        // 10k Services).
-        let out = nft(&["list", "tables", family_keyword(family)], None, |status, _| {
-            format!("nft list tables exited with {status}")
-        })?;
-        let wanted = format!("table {} {TABLE}", family_keyword(family));
-        Ok(out.lines().any(|l| l.trim() == wanted))
-    }
-}
-
-/// What a [`RecordingBackend`] saw: the transactions applied, and the tables they built.
-#[derive(Debug, Default)]
-pub struct Recorded {
-    pub applied: Vec<Transaction>,
-    pub tables: HashMap<IpFamily, Ruleset>,
-    /// Makes the next apply fail (nothing applied).
-    pub fail_next: bool,
-}
-
-impl NftBackend for super::netlink::NftSocket {
-    fn apply(&mut self, tx: &Transaction) -> Result<(), NftError> {
-        super::netlink::NftSocket::apply(self, tx).map_err(|e| NftError(e.to_string()))
-    }
-
-    fn table_exists(&mut self, family: IpFamily) -> Result<bool, NftError> {
-        super::netlink::NftSocket::table_exists(self, family).map_err(|e| NftError(format!("listing tables: {e}")))
-    }
-
-    fn read(&mut self, family: IpFamily, scope: &ReadScope) -> Result<Option<ReadTable>, NftError> {
-        super::netlink::NftSocket::read(self, family, scope)
-            .map_err(|e| NftError(format!("reading the {} {TABLE} table: {e}", family_keyword(family))))
-    }
-}
-
-/// A backend that records transactions and applies them to a model of the kernel's table,
-/// refusing what the kernel would refuse. Clones share the record.
-#[derive(Clone, Debug, Default)]
-pub struct RecordingBackend(Arc<Mutex<Recorded>>);
-
-impl RecordingBackend {
-    pub fn recorded(&self) -> MutexGuard<'_, Recorded> {
-        // A panicking test thread must not hide the record from the others.
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
-    }
-}
-
-impl NftBackend for RecordingBackend {
-    fn apply(&mut self, tx: &Transaction) -> Result<(), NftError> {
-        let mut r = self.recorded();
-        if std::mem::take(&mut r.fail_next) {
-            return Err(NftError("injected failure".into()));
-        }
-        let mut table = r
-            .tables
-            .get(&tx.family)
-            .cloned()
-            .unwrap_or_else(|| Ruleset::new(tx.family));
-        table.apply_all(&tx.ops).map_err(|e| NftError(e.to_string()))?;
-        r.tables.insert(tx.family, table);
-        r.applied.push(tx.clone());
-        Ok(())
-    }
-
-    fn table_exists(&mut self, family: IpFamily) -> Result<bool, NftError> {
-        Ok(self.recorded().tables.get(&family).is_some_and(|t| t.exists))
-    }
-
-    /// The recorded table (every rule is one of ours).
-    fn read(&mut self, family: IpFamily, _scope: &ReadScope) -> Result<Option<ReadTable>, NftError> {
-        let r = self.recorded();
-        Ok(r.tables
-            .get(&family)
-            .filter(|t| t.exists)
-            .map(|t| (t.clone(), Vec::new())))
-    }
-}
-
-/// Runs `nft -f -` with `input` on stdin.
-pub fn nft_apply(input: &str) -> Result<(), NftError> {
-    nft(&["-f", "-"], Some(input), |_, stderr| {
-        format!("nft -f - failed: {stderr}")
-    })
-    .map(drop)
-}
-
-/// Runs `nft ARGS` and returns its stdout; `failed` says what its exit status and stderr mean.
-fn nft(
-    args: &[&str],
-    stdin: Option<&str>,
-    failed: impl FnOnce(std::process::ExitStatus, &str) -> String,
-) -> Result<String, NftError> {
-    exec::run("nft", args, stdin).map_err(|e| match e {
-        exec::Error::Spawn { source, .. } => NftError(format!("running nft: {source}")),
-        exec::Error::Failed { status, stderr, .. } => NftError(failed(status, &stderr)),
-    })
-}
-
-/// Whether the family's table exists (our canary: someone may delete it). Asked over netlink
-/// (one message); `nft list tables` fetches every rule of every table first, seconds beside
-/// iptables mode's rules at 10k Services.
-pub fn table_exists(family: IpFamily) -> bool {
-    match super::netlink::NftSocket::new().and_then(|mut s| s.table_exists(family)) {
-        Ok(exists) => exists,
-        Err(_) => NftCommand.table_exists(family).unwrap_or(false),
-    }
-}
-
-/// Deletes the family's table if it exists (cleanup, and switching to another mode).
-pub fn delete_table(family: IpFamily) -> Result<(), NftError> {
-    let f = family_keyword(family);
-    nft_apply(&format!("add table {f} {TABLE}\ndelete table {f} {TABLE}\n"))
-}
-
 /// One service port's objects, from its rendered commands.
 #[derive(Default)]
 struct ServiceObjects {
     /// Chains in creation order, with their rules.
     chains: Vec<(String, Vec<Rule>)>,
     sets: Vec<SetDecl>,
+    /// Elements that several ports may own (tracked by owner).
     elements: Vec<(String, Element)>,
+    /// Its intervals of a `service-endpoints-…` map (its blocks are its own).
+    ranges: Vec<(String, Element)>,
+    /// Its endpoint addresses in `hairpin-endpoints` (counted: endpoints are shared).
+    hairpins: Vec<IpAddr>,
 }
 
 impl ServiceObjects {
@@ -226,6 +91,12 @@ impl ServiceObjects {
                     }
                 }
                 Op::AddSet(decl) => objs.sets.push(decl),
+                Op::AddElement { set, element } if is_service_endpoints(&set) => objs.ranges.push((set, element)),
+                Op::AddElement { set, element } if set == HAIRPIN_ENDPOINTS => {
+                    if let ElemKey::AddrPair(ip, _) = element.key {
+                        objs.hairpins.push(ip);
+                    }
+                }
                 Op::AddElement { set, element } => {
                     objs.elements.retain(|(s, e)| !(*s == set && e.key == element.key));
                     objs.elements.push((set, element));
@@ -239,15 +110,46 @@ impl ServiceObjects {
     }
 }
 
+/// A service port as programmed: its state and the numgen blocks of its selections (`None`:
+/// a chain per endpoint).
+#[derive(Clone)]
+struct Port {
+    state: Arc<ServicePortState>,
+    blocks: Option<PortBlocks>,
+}
+
 /// What the kernel holds after the last successful transaction.
 struct Applied {
     renderer: ServiceRenderer,
-    services: HashMap<ServicePortName, Arc<ServicePortState>>,
-    /// Every element owned by a service port, with its owners (the last one by name wins,
-    /// as in a full render where later ports overwrite earlier ones).
+    services: HashMap<ServicePortName, Port>,
+    blocks: Blocks,
+    /// Every element several ports may own, with its owners (the last one by name wins, as in
+    /// a full render where later ports overwrite earlier ones).
     elements: HashMap<(String, ElemKey), Owners>,
+    /// How many programmed ports have each endpoint address in `hairpin-endpoints`.
+    hairpins: HashMap<IpAddr, u32>,
     /// Flushed chains waiting to be deleted, with the time they were flushed.
     stale_chains: BTreeMap<String, Instant>,
+    /// Sets of an earlier table no longer wanted (flushed), with the time, and whether a map.
+    stale_sets: BTreeMap<String, (bool, Instant)>,
+}
+
+impl Applied {
+    fn new(renderer: ServiceRenderer) -> Applied {
+        Applied {
+            renderer,
+            services: HashMap::new(),
+            blocks: Blocks::default(),
+            elements: HashMap::new(),
+            hairpins: HashMap::new(),
+            stale_chains: BTreeMap::new(),
+            stale_sets: BTreeMap::new(),
+        }
+    }
+
+    fn objects(&self, port: &Port) -> ServiceObjects {
+        ServiceObjects::from_ops(self.renderer.service(&port.state, port.blocks).ops)
+    }
 }
 
 /// The service ports that put one element into a set, sorted by name, with the element each
@@ -294,6 +196,10 @@ struct Plan {
     chain_rules: Vec<Op>,
     /// (set, key) → effective element before this transaction.
     touched: BTreeMap<(String, ElemKey), Option<Element>>,
+    /// Hairpin addresses → whether the element was there before this transaction.
+    hairpins_touched: BTreeMap<IpAddr, bool>,
+    range_deletes: Vec<Op>,
+    range_adds: Vec<Op>,
     stale_flushes: Vec<Op>,
     set_deletes: Vec<Op>,
     rewritten: usize,
@@ -338,7 +244,8 @@ impl NftProxier {
         }
     }
 
-    /// Bounds the size of full-sync transactions (tests and benchmarks).
+    /// Bounds the size of the transactions that build a table where there was none (tests
+    /// and benchmarks).
     pub fn set_max_ops_per_transaction(&mut self, max_ops: usize) {
         self.max_ops = max_ops.max(1);
     }
@@ -368,10 +275,12 @@ impl NftProxier {
         self.backend.table_exists(self.family).unwrap_or(false)
     }
 
-    /// When a sync is due to delete flushed chains, if any wait.
+    /// When a sync is due to delete flushed chains and sets, if any wait.
     pub fn next_cleanup(&self) -> Option<Instant> {
         let applied = self.applied.as_ref()?;
-        applied.stale_chains.values().min().map(|t| *t + self.stale_delay)
+        let chains = applied.stale_chains.values().copied();
+        let sets = applied.stale_sets.values().map(|(_, t)| *t);
+        chains.chain(sets).min().map(|t| t + self.stale_delay)
     }
 
     /// Brings the table in line with `state` (which must be of this proxier's family).
@@ -388,57 +297,92 @@ impl NftProxier {
         crate::proxy::finish_sync(start, result, || self.applied = None)
     }
 
-    /// Deletes and rebuilds the table in bounded transactions, priority services first.
+    /// Programs the whole state: built in bounded transactions where there is no table,
+    /// replacing the existing table in one transaction where there is one.
     fn rebuild(&mut self, state: &ProxyState, renderer: ServiceRenderer) -> Result<SyncReport, NftError> {
         self.applied = None;
-        let mut applied = Applied {
-            renderer,
-            services: HashMap::new(),
-            elements: HashMap::new(),
-            stale_chains: BTreeMap::new(),
-        };
+        let existing = self.backend.objects(self.family)?;
+        let mut applied = Applied::new(renderer);
         let mut order: Vec<&Arc<ServicePortState>> = state.service_ports.iter().collect();
         // Stable: the rest keeps the model's order.
         order.sort_by_key(|s| !is_priority(&s.port.name));
-
-        let mut tx = Transaction::new(self.family);
-        tx.push(Op::AddTable);
-        tx.push(Op::DeleteTable);
-        tx.ops.extend(applied.renderer.setup(false).ops);
-        let mut bytes = 0;
-        let mut rest = order.as_slice();
-        loop {
-            let mut plan = Plan::default();
-            let mut ops = tx.ops.len();
-            while let Some((sps, tail)) = rest.split_first() {
-                let objs = ServiceObjects::from_ops(applied.renderer.service(sps).ops);
-                ops +=
-                    objs.chains.iter().map(|(_, r)| r.len() + 2).sum::<usize>() + objs.elements.len() + objs.sets.len();
-                plan_service(&mut plan, &mut applied, sps, None, Some(objs));
-                applied.services.insert(sps.port.name.clone(), (*sps).clone());
-                rest = tail;
-                // The priority services go together, whatever the bound.
-                if ops >= self.max_ops && rest.first().is_none_or(|n| !is_priority(&n.port.name)) {
-                    break;
-                }
-            }
-            finish_plan(&mut tx, plan, &mut applied, Instant::now());
-            bytes += tx.ops.len();
-            self.backend.apply(&tx)?;
-            if rest.is_empty() {
-                break;
-            }
-            tx = Transaction::new(self.family);
-        }
+        let operations = match existing {
+            None => self.build(&mut applied, &order)?,
+            Some(objects) => self.replace(&mut applied, &order, &objects)?,
+        };
         let services = applied.services.len();
         self.applied = Some(applied);
         Ok(SyncReport {
             full: true,
             rewritten_services: services,
-            operations: bytes,
+            operations,
             udp_endpoints_removed: true,
             ..SyncReport::default()
         })
+    }
+
+    /// A table where there was none, in transactions of about `max_ops` commands (the first
+    /// holds the fixed part and the priority Services, whatever the bound).
+    fn build(&mut self, applied: &mut Applied, order: &[&Arc<ServicePortState>]) -> Result<usize, NftError> {
+        let mut tx = Transaction::new(self.family);
+        tx.push(Op::AddTable);
+        tx.ops.extend(applied.renderer.setup(false).ops);
+        let mut operations = 0;
+        let mut rest = order;
+        loop {
+            let mut plan = Plan::default();
+            let mut ops = tx.ops.len();
+            while let Some((sps, tail)) = rest.split_first() {
+                ops += add_port(&mut plan, applied, sps);
+                rest = tail;
+                if ops >= self.max_ops && rest.first().is_none_or(|n| !is_priority(&n.port.name)) {
+                    break;
+                }
+            }
+            finish_plan(&mut tx, plan, applied, Instant::now());
+            operations += tx.ops.len();
+            self.backend.apply(&tx)?;
+            if rest.is_empty() {
+                return Ok(operations);
+            }
+            tx = Transaction::new(self.family);
+        }
+    }
+
+    /// Replaces the table `existing` describes with the whole state, in one transaction whose
+    /// parts are rendered (and, over netlink, encoded) one service port at a time.
+    fn replace(
+        &mut self,
+        applied: &mut Applied,
+        order: &[&Arc<ServicePortState>],
+        existing: &TableObjects,
+    ) -> Result<usize, NftError> {
+        let family = self.family;
+        let prelude = replace_prelude(family, existing, &applied.renderer.setup(false));
+        let mut parts = ReplaceParts {
+            applied: &mut *applied,
+            order,
+            next: 0,
+            first: Some(prelude),
+            existing,
+            wanted: HashSet::new(),
+            operations: 0,
+        };
+        self.backend.apply_parts(family, &mut parts)?;
+        let (wanted, operations) = (parts.wanted, parts.operations);
+        // What the old table had and the new one does not: flushed above, deleted later.
+        let now = Instant::now();
+        for c in &existing.chains {
+            if !wanted.contains(&c.name) {
+                applied.stale_chains.insert(c.name.clone(), now);
+            }
+        }
+        for s in &existing.sets {
+            if !wanted.contains(&s.name) {
+                applied.stale_sets.insert(s.name.clone(), (is_map(s), now));
+            }
+        }
+        Ok(operations)
     }
 
     /// Sends what changed since the last sync.
@@ -454,25 +398,21 @@ impl NftProxier {
         let mut kept = 0usize;
         for sps in &state.service_ports {
             let name = &sps.port.name;
-            let old = applied.services.get(name);
+            let old = applied.services.get(name).cloned();
             if old.is_some() {
                 kept += 1;
             }
-            if old == Some(sps) {
+            if old.as_ref().is_some_and(|o| o.state == *sps) {
                 continue;
             }
-            let was_new = old.is_none();
-            let old_objs = old.map(|o| ServiceObjects::from_ops(applied.renderer.service(o).ops));
-            if let Some(o) = old {
-                plan.udp_endpoints_removed |= o.loses_udp_endpoints_to(sps);
+            match old {
+                None => {
+                    add_port(&mut plan, applied, sps);
+                    // Counted as kept from now on: it is in `applied.services`.
+                    kept += 1;
+                }
+                Some(old) => change_port(&mut plan, applied, &old, sps),
             }
-            let new_objs = ServiceObjects::from_ops(applied.renderer.service(sps).ops);
-            plan_service(&mut plan, applied, sps, old_objs, Some(new_objs));
-            if was_new {
-                // Counted as kept from now on: it is in `applied.services` below.
-                kept += 1;
-            }
-            applied.services.insert(name.clone(), sps.clone());
         }
         if kept < applied.services.len() {
             let present: HashSet<&ServicePortName> = state.service_ports.iter().map(|s| &s.port.name).collect();
@@ -484,37 +424,27 @@ impl NftProxier {
                 .collect();
             for name in gone {
                 if let Some(old) = applied.services.remove(&name) {
-                    plan.udp_endpoints_removed |= old.port.protocol == Protocol::Udp;
-                    let old_objs = ServiceObjects::from_ops(applied.renderer.service(&old).ops);
-                    plan_service(&mut plan, applied, &old, Some(old_objs), None);
+                    plan.udp_endpoints_removed |= old.state.port.protocol == Protocol::Udp;
+                    let old_objs = applied.objects(&old);
+                    plan_service(&mut plan, applied, &old.state, Some(old_objs), None);
+                    if let Some(b) = old.blocks {
+                        release(&mut applied.blocks, b);
+                    }
                 }
             }
         }
-        // Chains flushed long enough ago (and not used again) can go now.
-        let due: Vec<String> = applied
-            .stale_chains
-            .iter()
-            .filter(|(_, t)| now.duration_since(**t) >= stale_delay)
-            .map(|(c, _)| c.clone())
-            .collect();
         let rewritten = plan.rewritten;
         let udp = plan.udp_endpoints_removed;
         let mut tx = Transaction::new(self.family);
         let flushed_before = applied.stale_chains.len();
         finish_plan(&mut tx, plan, applied, now);
         let newly_stale = applied.stale_chains.len().saturating_sub(flushed_before);
-        for c in &due {
-            // Still stale (not revived by this transaction)?
-            if applied
-                .stale_chains
-                .get(c)
-                .is_some_and(|t| now.duration_since(*t) >= stale_delay)
-            {
-                tx.push(Op::DeleteChain(c.clone()));
-                applied.stale_chains.remove(c);
-            }
-        }
-        let deleted = tx.ops.iter().filter(|o| matches!(o, Op::DeleteChain(_))).count();
+        delete_due(&mut tx, applied, now, stale_delay);
+        let deleted = tx
+            .ops
+            .iter()
+            .filter(|o| matches!(o, Op::DeleteChain(_) | Op::DeleteSet { .. }))
+            .count();
         let size = tx.ops.len();
         self.backend.apply(&tx)?;
         Ok(SyncReport {
@@ -528,10 +458,193 @@ impl NftProxier {
     }
 }
 
+/// The parts of a replacing full sync: the prelude, then one per service port, each planned
+/// against what the parts before it put in.
+struct ReplaceParts<'a> {
+    applied: &'a mut Applied,
+    order: &'a [&'a Arc<ServicePortState>],
+    next: usize,
+    first: Option<Transaction>,
+    existing: &'a TableObjects,
+    /// The chains and sets the parts so far create.
+    wanted: HashSet<String>,
+    operations: usize,
+}
+
+impl Iterator for ReplaceParts<'_> {
+    type Item = Transaction;
+
+    fn next(&mut self) -> Option<Transaction> {
+        let tx = match self.first.take() {
+            Some(prelude) => prelude,
+            None => {
+                let sps = self.order.get(self.next)?;
+                self.next += 1;
+                let mut plan = Plan::default();
+                add_port(&mut plan, self.applied, sps);
+                let family = self.applied.renderer.family();
+                let mut tx = Transaction::new(family);
+                finish_plan(&mut tx, plan, self.applied, Instant::now());
+                // An affinity set of the old table that cannot stay as it is goes first
+                // (nothing refers to it: the prelude flushed every chain).
+                let mut ops = Vec::with_capacity(tx.ops.len());
+                for op in tx.ops {
+                    if let Op::AddSet(decl) = &op
+                        && let Some(old) = self.existing.sets.iter().find(|s| s.name == decl.name)
+                        && !compatible(family, old, decl)
+                    {
+                        ops.push(Op::DeleteSet {
+                            name: old.name.clone(),
+                            map: is_map(old),
+                        });
+                    }
+                    ops.push(op);
+                }
+                Transaction { family, ops }
+            }
+        };
+        for op in &tx.ops {
+            match op {
+                Op::AddChain(decl) => self.wanted.insert(decl.name.clone()),
+                Op::AddSet(decl) => self.wanted.insert(decl.name.clone()),
+                _ => false,
+            };
+        }
+        self.operations += tx.ops.len();
+        Some(tx)
+    }
+}
+
+/// Whether a listed set is a map (as far as its signature says).
+fn is_map(s: &ListedSet) -> bool {
+    s.signature.is_some_and(|g| g.data.is_some())
+}
+
+/// The start of a replacing full sync: every chain of the old table flushed (so that nothing
+/// refers to what goes), its sets that cannot stay deleted or flushed (affinity sets keep
+/// their clients), base chains with another hook or priority deleted, then the fixed part.
+fn replace_prelude(family: IpFamily, existing: &TableObjects, setup: &Transaction) -> Transaction {
+    let mut tx = Transaction::new(family);
+    tx.push(Op::AddTable);
+    for c in &existing.chains {
+        tx.push(Op::FlushChain(c.name.clone()));
+    }
+    let wanted_base: HashMap<&str, &ChainDecl> = setup
+        .ops
+        .iter()
+        .filter_map(|op| match op {
+            Op::AddChain(d) if d.base.is_some() => Some((d.name.as_str(), d)),
+            _ => None,
+        })
+        .collect();
+    for c in &existing.chains {
+        let Some(decl) = wanted_base.get(c.name.as_str()) else {
+            continue;
+        };
+        let want = decl.base.map(|b| (b.kind.to_string(), b.hook.to_string(), b.priority));
+        if c.base != want {
+            tx.push(Op::DeleteChain(c.name.clone()));
+        }
+    }
+    let wanted_sets: HashMap<&str, &SetDecl> = setup
+        .ops
+        .iter()
+        .filter_map(|op| match op {
+            Op::AddSet(d) => Some((d.name.as_str(), d)),
+            _ => None,
+        })
+        .collect();
+    for s in &existing.sets {
+        let map = is_map(s);
+        match wanted_sets.get(s.name.as_str()) {
+            // The `service-endpoints-…` maps are flushed and refilled like the others, not
+            // deleted and declared again: a map declared in the transaction finds nothing for
+            // a moment after the commit (the kernel builds its lookup array after switching
+            // to the new rules; the restart test saw 44 connects refused). The kernel checks
+            // each interval added against the flushed ones still in the tree, so this costs
+            // O(n²) per map: one map took 646 s at 10k × 10, which the 64 shards avoid.
+            Some(decl) if compatible(family, s, decl) => {}
+            Some(_) => tx.push(Op::DeleteSet {
+                name: s.name.clone(),
+                map,
+            }),
+            // Affinity sets stay (a port may still want it); other old sets are emptied.
+            None if is_affinity_set_name(&s.name) => {}
+            None => tx.push(Op::FlushSet {
+                name: s.name.clone(),
+                map,
+            }),
+        }
+    }
+    tx.ops.extend(setup.ops.iter().cloned());
+    tx
+}
+
+/// Deletes the chains and sets flushed at least `delay` ago (and not used again since).
+fn delete_due(tx: &mut Transaction, applied: &mut Applied, now: Instant, delay: Duration) {
+    let due = |t: &Instant| now.duration_since(*t) >= delay;
+    let chains: Vec<String> = applied
+        .stale_chains
+        .iter()
+        .filter(|(_, t)| due(t))
+        .map(|(c, _)| c.clone())
+        .collect();
+    for c in chains {
+        tx.push(Op::DeleteChain(c.clone()));
+        applied.stale_chains.remove(&c);
+    }
+    let sets: Vec<(String, bool)> = applied
+        .stale_sets
+        .iter()
+        .filter(|(_, (_, t))| due(t))
+        .map(|(s, (map, _))| (s.clone(), *map))
+        .collect();
+    for (name, map) in sets {
+        applied.stale_sets.remove(&name);
+        tx.push(Op::DeleteSet { name, map });
+    }
+}
+
 fn is_priority(name: &ServicePortName) -> bool {
     PRIORITY_SERVICES
         .iter()
         .any(|(ns, n)| name.namespace == *ns && name.name == *n)
+}
+
+fn release(taken: &mut Blocks, blocks: PortBlocks) {
+    for id in [blocks.cluster, blocks.local].into_iter().flatten() {
+        taken.release(id);
+    }
+}
+
+/// Plans a port that was not programmed; returns about how many commands it adds.
+fn add_port(plan: &mut Plan, applied: &mut Applied, sps: &Arc<ServicePortState>) -> usize {
+    let port = Port {
+        state: sps.clone(),
+        blocks: update_blocks(&mut applied.blocks, sps, None),
+    };
+    let objs = applied.objects(&port);
+    let ops = objs.chains.iter().map(|(_, r)| r.len() + 2).sum::<usize>()
+        + objs.elements.len()
+        + objs.ranges.len()
+        + objs.hairpins.len()
+        + objs.sets.len();
+    plan_service(plan, applied, sps, None, Some(objs));
+    applied.services.insert(sps.port.name.clone(), port);
+    ops
+}
+
+/// Plans the change of a programmed port to `sps`.
+fn change_port(plan: &mut Plan, applied: &mut Applied, old: &Port, sps: &Arc<ServicePortState>) {
+    plan.udp_endpoints_removed |= old.state.loses_udp_endpoints_to(sps);
+    let old_objs = applied.objects(old);
+    let port = Port {
+        state: sps.clone(),
+        blocks: update_blocks(&mut applied.blocks, sps, old.blocks),
+    };
+    let new_objs = applied.objects(&port);
+    plan_service(plan, applied, sps, Some(old_objs), Some(new_objs));
+    applied.services.insert(sps.port.name.clone(), port);
 }
 
 /// Adds to `plan` the commands that turn one service port's `old` objects into `new` ones,
@@ -546,45 +659,9 @@ fn plan_service(
     plan.rewritten += 1;
     let old = old.unwrap_or_default();
     let new = new.unwrap_or_default();
-    let old_chains: HashMap<&str, &Vec<Rule>> = old.chains.iter().map(|(n, r)| (n.as_str(), r)).collect();
-    let new_names: HashSet<&str> = new.chains.iter().map(|(n, _)| n.as_str()).collect();
-
-    for decl in &new.sets {
-        if !old.sets.iter().any(|s| s.name == decl.name) {
-            plan.new_sets.push(Op::AddSet(decl.clone()));
-        }
-    }
-    for (name, rules) in &new.chains {
-        let revived = applied.stale_chains.remove(name).is_some();
-        match old_chains.get(name.as_str()) {
-            Some(old_rules) if *old_rules == rules && !revived => continue,
-            Some(_) => plan.chain_rules.push(Op::FlushChain(name.clone())),
-            // A revived chain was flushed when it went stale; `add chain` is a no-op then.
-            None => plan
-                .new_chains
-                .push(Op::AddChain(super::ast::ChainDecl::regular(name.clone()))),
-        }
-        for rule in rules {
-            plan.chain_rules.push(Op::AddRule {
-                chain: name.clone(),
-                rule: rule.clone(),
-            });
-        }
-    }
-    for (name, _) in &old.chains {
-        if !new_names.contains(name.as_str()) {
-            plan.stale_flushes.push(Op::FlushChain(name.clone()));
-        }
-    }
-    for decl in &old.sets {
-        if !new.sets.iter().any(|s| s.name == decl.name) {
-            plan.set_deletes.push(Op::DeleteSet {
-                name: decl.name.clone(),
-                map: decl.map,
-            });
-        }
-    }
-
+    plan_chains_and_sets(plan, applied, &old, &new);
+    plan_ranges(plan, &old.ranges, &new.ranges);
+    plan_hairpins(plan, applied, &old.hairpins, &new.hairpins);
     for (set, element) in old.elements {
         let k = (set, element.key);
         remember_effective(plan, applied, &k);
@@ -602,6 +679,89 @@ fn plan_service(
     }
 }
 
+fn plan_chains_and_sets(plan: &mut Plan, applied: &mut Applied, old: &ServiceObjects, new: &ServiceObjects) {
+    let old_chains: HashMap<&str, &Vec<Rule>> = old.chains.iter().map(|(n, r)| (n.as_str(), r)).collect();
+    let new_names: HashSet<&str> = new.chains.iter().map(|(n, _)| n.as_str()).collect();
+    for decl in &new.sets {
+        // A set of an earlier table wanted again is no longer due for deletion.
+        applied.stale_sets.remove(&decl.name);
+        if !old.sets.iter().any(|s| s.name == decl.name) {
+            plan.new_sets.push(Op::AddSet(decl.clone()));
+        }
+    }
+    for (name, rules) in &new.chains {
+        let revived = applied.stale_chains.remove(name).is_some();
+        match old_chains.get(name.as_str()) {
+            Some(old_rules) if *old_rules == rules && !revived => continue,
+            Some(_) => plan.chain_rules.push(Op::FlushChain(name.clone())),
+            // A revived chain was flushed when it went stale; `add chain` is a no-op then.
+            None => plan.new_chains.push(Op::AddChain(ChainDecl::regular(name.clone()))),
+        }
+        for rule in rules {
+            plan.chain_rules.push(Op::AddRule {
+                chain: name.clone(),
+                rule: rule.clone(),
+            });
+        }
+    }
+    for (name, _) in &old.chains {
+        if !new_names.contains(name.as_str()) {
+            plan.stale_flushes.push(Op::FlushChain(name.clone()));
+        }
+    }
+    for decl in &old.sets {
+        if !new.sets.iter().any(|s| s.name == decl.name) {
+            plan.set_deletes.push(Op::DeleteSet {
+                name: decl.name.clone(),
+                map: decl.map.is_some(),
+            });
+        }
+    }
+}
+
+/// A port's intervals are its own: delete those that changed, add the new ones.
+fn plan_ranges(plan: &mut Plan, old: &[(String, Element)], new: &[(String, Element)]) {
+    for e in old {
+        if !new.contains(e) {
+            plan.range_deletes.push(Op::DeleteElement {
+                set: e.0.clone(),
+                key: e.1.key.clone(),
+            });
+        }
+    }
+    for e in new {
+        if !old.contains(e) {
+            plan.range_adds.push(Op::AddElement {
+                set: e.0.clone(),
+                element: e.1.clone(),
+            });
+        }
+    }
+}
+
+fn plan_hairpins(plan: &mut Plan, applied: &mut Applied, old: &[IpAddr], new: &[IpAddr]) {
+    for ip in old {
+        if new.contains(ip) {
+            continue;
+        }
+        let count = applied.hairpins.get(ip).copied().unwrap_or(0);
+        plan.hairpins_touched.entry(*ip).or_insert(count > 0);
+        if count <= 1 {
+            applied.hairpins.remove(ip);
+        } else {
+            applied.hairpins.insert(*ip, count - 1);
+        }
+    }
+    for ip in new {
+        if old.contains(ip) {
+            continue;
+        }
+        let count = applied.hairpins.entry(*ip).or_insert(0);
+        plan.hairpins_touched.entry(*ip).or_insert(*count > 0);
+        *count += 1;
+    }
+}
+
 fn effective(applied: &Applied, k: &(String, ElemKey)) -> Option<Element> {
     applied.elements.get(k).and_then(|owners| owners.effective().cloned())
 }
@@ -613,12 +773,14 @@ fn remember_effective(plan: &mut Plan, applied: &Applied, k: &(String, ElemKey))
 }
 
 /// Appends the plan's commands to `tx` in an order the kernel accepts: sets and chains
-/// first (rules and elements refer to them), rules, element changes, then the flushes and
-/// deletes of what is no longer referenced.
+/// first (rules and elements refer to them), rules, element changes (deletes first, so that
+/// an interval can take the numbers another one gives up), then the flushes and deletes of
+/// what is no longer referenced.
 fn finish_plan(tx: &mut Transaction, plan: Plan, applied: &mut Applied, now: Instant) {
     tx.ops.extend(plan.new_sets);
     tx.ops.extend(plan.new_chains);
     tx.ops.extend(plan.chain_rules);
+    tx.ops.extend(plan.range_deletes);
     let mut adds = Vec::new();
     for (k, before) in plan.touched {
         let after = effective(applied, &k);
@@ -636,7 +798,27 @@ fn finish_plan(tx: &mut Transaction, plan: Plan, applied: &mut Applied, now: Ins
             adds.push(Op::AddElement { set, element });
         }
     }
+    for (ip, before) in plan.hairpins_touched {
+        let after = applied.hairpins.contains_key(&ip);
+        let element = || Element {
+            key: ElemKey::AddrPair(ip, ip),
+            value: None,
+            comment: None,
+        };
+        match (before, after) {
+            (true, false) => tx.push(Op::DeleteElement {
+                set: HAIRPIN_ENDPOINTS.to_string(),
+                key: element().key,
+            }),
+            (false, true) => adds.push(Op::AddElement {
+                set: HAIRPIN_ENDPOINTS.to_string(),
+                element: element(),
+            }),
+            _ => {}
+        }
+    }
     tx.ops.extend(adds);
+    tx.ops.extend(plan.range_adds);
     for op in &plan.stale_flushes {
         if let Op::FlushChain(name) = op {
             applied.stale_chains.insert(name.clone(), now);
@@ -698,11 +880,11 @@ impl Proxier for NftProxier {
             what: port.name.to_string(),
             message: e.to_string(),
         };
-        // The port's own chains and maps first, then the endpoint chains they lead to.
-        let maps: Vec<String> = readback::DISPATCH_MAPS.iter().map(|m| m.to_string()).collect();
+        // The port's own chains, the maps and sets that hold its elements (with the
+        // `service-endpoints-…` maps its rules look up), then the endpoint chains they lead to.
         let scope = ReadScope::Some {
             chains: readback::own_chains(port),
-            maps: maps.clone(),
+            maps: readback::element_sets().map(str::to_string).collect(),
         };
         let Some((first, mut foreign)) = self.backend.read(self.family, &scope).map_err(err)? else {
             return Ok(Programmed::default());
@@ -743,7 +925,7 @@ impl Proxier for NftProxier {
 
 /// The port's sections of a table read back, with the rules of its chains that kube-proxy
 /// did not write (as their expressions).
-fn programmed(table: &Ruleset, foreign: &[Undecoded], port: &ServicePort) -> Programmed {
+fn programmed(table: &super::ruleset::Ruleset, foreign: &[Undecoded], port: &ServicePort) -> Programmed {
     let mut sections = readback::sections(table, port);
     for s in &mut sections {
         let chain = s.place.rsplit(' ').next().unwrap_or_default();
@@ -761,6 +943,7 @@ mod tests {
     use super::*;
     use crate::model::Endpoint;
     use crate::nftables::render::render_tx;
+    use crate::nftables::ruleset::Ruleset;
 
     use crate::model::testing::port;
 
@@ -811,7 +994,9 @@ mod tests {
         let a = &st.service_ports[0].port;
         let one = p.read_back(a).expect("reads");
         let text: Vec<&String> = one.sections.iter().flat_map(|s| &s.lines).collect();
-        assert!(text.iter().any(|l| l.contains("dnat to 10.244.1.2:8080")), "{text:#?}");
+        // Its endpoints as intervals of the numbers its chain draws.
+        assert!(text.iter().any(|l| l.ends_with(" : 10.244.1.2 . 8080")), "{text:#?}");
+        assert!(text.iter().any(|l| l.contains("numgen random mod 55440")), "{text:#?}");
         assert!(
             text.iter()
                 .any(|l| l.starts_with("10.96.0.1 . tcp . 80 : goto service-")),
@@ -825,7 +1010,7 @@ mod tests {
                 .sections
                 .iter()
                 .flat_map(|s| &s.lines)
-                .any(|l| l.contains("10.244.1.3:8080"))
+                .any(|l| l.ends_with(" : 10.244.1.3 . 8080"))
         );
     }
 
@@ -844,10 +1029,11 @@ mod tests {
         assert_eq!(table(&rec), expected(&st));
         let r = rec.recorded();
         assert!(r.applied.len() > 2, "{} transactions", r.applied.len());
-        // The first transaction resets the table and programs the priority services.
+        // Where there was no table, nothing is deleted; the first transaction holds the fixed
+        // part and the priority services.
         let first = r.applied[0].text();
         assert!(first.starts_with("add table ip kube-proxy"));
-        assert!(first.contains("delete table ip kube-proxy"));
+        assert!(!first.contains("delete table"), "{first}");
         assert!(first.contains("default/kubernetes"), "{first}");
         assert!(first.contains("kube-system/kube-dns"), "{first}");
         assert!(!first.contains("ns/s6"));
@@ -865,23 +1051,62 @@ mod tests {
         assert_eq!(report.rewritten_services, 0);
         assert!(rec.recorded().applied[n].is_empty());
 
-        // One more endpoint for `a`: one new endpoint chain, the service chain rewritten, no
-        // element touched (the service-ips verdict stays), nothing of `b`.
+        // One more endpoint for `a`: only elements, of `service-endpoints` (the block split
+        // three ways instead of two) and `hairpin-endpoints` (for a new address); no chain, no
+        // rule, no verdict element (which would make the kernel validate the table), nothing
+        // of `b`.
         let a2 = port("ns", "a", 1, Protocol::Tcp, &[1, 2, 3]);
         let st = state(vec![a2.clone(), b.clone()]);
         let report = p.sync(&st).unwrap();
         assert_eq!(report.rewritten_services, 1);
         let text = rec.recorded().applied.last().unwrap().text();
-        assert_eq!(text.matches("add chain").count(), 1, "{text}");
-        assert_eq!(text.matches("flush chain").count(), 1, "{text}");
-        assert!(!text.contains("element"), "{text}");
+        assert_only_endpoint_elements(&text);
+        assert_eq!(
+            text.matches("delete element ip kube-proxy service-endpoints-tcp")
+                .count(),
+            2,
+            "{text}"
+        );
+        assert_eq!(
+            text.matches("add element ip kube-proxy service-endpoints-tcp").count(),
+            3,
+            "{text}"
+        );
+        // The new endpoint's address is `b`'s endpoint too: already in `hairpin-endpoints`.
+        assert!(!text.contains("hairpin-endpoints"), "{text}");
         assert!(!text.contains("ns/b"), "{text}");
         assert_eq!(table(&rec), expected(&st));
+
+        // An endpoint turning not ready: elements only, too.
+        let mut a3 = a2.clone();
+        a3.endpoints[0].ready = false;
+        a3.endpoints[0].serving = false;
+        let st = state(vec![a3, b]);
+        p.sync(&st).unwrap();
+        let text = rec.recorded().applied.last().unwrap().text();
+        assert_only_endpoint_elements(&text);
+        assert_eq!(table(&rec), expected(&st));
+    }
+
+    /// Every command of `text` adds or deletes an element of `service-endpoints` or
+    /// `hairpin-endpoints`.
+    fn assert_only_endpoint_elements(text: &str) {
+        for line in text.lines() {
+            assert!(
+                line.starts_with("add element ip kube-proxy service-endpoints-")
+                    || line.starts_with("delete element ip kube-proxy service-endpoints-")
+                    || line.starts_with("add element ip kube-proxy hairpin-endpoints")
+                    || line.starts_with("delete element ip kube-proxy hairpin-endpoints"),
+                "not an endpoint element: {line}\n{text}"
+            );
+        }
     }
 
     #[test]
     fn losing_endpoints_swaps_elements_and_deletes_flushed_chains_a_second_later() {
         let (mut p, rec) = proxier();
+        // Endpoints chosen by map: the dispatch and chains stay, the endpoints' elements go
+        // and a plain element of `reject-services` comes (no verdict element, no chain).
         let a = port("ns", "a", 1, Protocol::Udp, &[1, 2]);
         p.sync(&state(vec![a])).unwrap();
         let none = port("ns", "a", 1, Protocol::Udp, &[]);
@@ -889,11 +1114,28 @@ mod tests {
         let report = p.sync(&st).unwrap();
         assert!(report.udp_endpoints_removed);
         let text = rec.recorded().applied.last().unwrap().text();
-        assert!(text.contains("delete element ip kube-proxy service-ips"), "{text}");
         assert!(
-            text.contains("add element ip kube-proxy no-endpoint-services"),
+            text.contains("delete element ip kube-proxy service-endpoints-udp"),
             "{text}"
         );
+        assert!(text.contains("add element ip kube-proxy reject-services"), "{text}");
+        assert!(!text.contains("service-ips") && !text.contains("chain"), "{text}");
+        assert_eq!(table(&rec), expected(&st));
+
+        // With ClientIP affinity (a chain per endpoint): the dispatch element is swapped for
+        // the reject and the endpoint chains are flushed, then deleted a second later.
+        let (mut p, rec) = proxier();
+        let mut a = port("ns", "a", 1, Protocol::Udp, &[1, 2]);
+        a.port.session_affinity_timeout = Some(10800);
+        p.sync(&state(vec![a.clone()])).unwrap();
+        let mut none = a.clone();
+        none.endpoints = Vec::new();
+        let st = state(vec![none]);
+        let report = p.sync(&st).unwrap();
+        assert!(report.udp_endpoints_removed);
+        let text = rec.recorded().applied.last().unwrap().text();
+        assert!(text.contains("delete element ip kube-proxy service-ips"), "{text}");
+        assert!(text.contains("add element ip kube-proxy reject-services"), "{text}");
         assert!(!text.contains("delete chain"), "{text}");
         // Flushed, still there, and not referenced.
         assert_eq!(without_flushed(table(&rec)), expected(&st));
@@ -908,6 +1150,45 @@ mod tests {
         p.sync(&st).unwrap();
         assert_eq!(table(&rec), expected(&st));
         assert!(p.next_cleanup().is_none());
+    }
+
+    #[test]
+    fn a_restart_replaces_the_table_in_one_transaction_without_deleting_it() {
+        let (mut p, rec) = proxier();
+        p.set_max_ops_per_transaction(10);
+        let mut gone = port("ns", "gone", 3, Protocol::Tcp, &[4]);
+        gone.port.session_affinity_timeout = Some(60);
+        let st = state(vec![port("ns", "a", 1, Protocol::Tcp, &[1, 2]), gone]);
+        p.sync(&st).unwrap();
+        assert!(
+            rec.recorded().applied.len() > 1,
+            "bounded transactions where there was no table"
+        );
+        // A new process over the same table, with one Service gone and one changed.
+        let mut p = NftProxier::with_backend(IpFamily::V4, RenderOptions::default(), Box::new(rec.clone()));
+        p.set_max_ops_per_transaction(10);
+        let n = rec.recorded().applied.len();
+        let st = state(vec![
+            port("ns", "a", 1, Protocol::Tcp, &[1, 3]),
+            port("ns", "b", 2, Protocol::Udp, &[5]),
+        ]);
+        let report = p.sync(&st).unwrap();
+        assert!(report.full);
+        let r = rec.recorded();
+        assert_eq!(r.applied.len(), n + 1, "one transaction");
+        let text = r.applied[n].text();
+        assert!(!text.contains("delete table"), "{text}");
+        drop(r);
+        // What the old table had and the new one does not is flushed now, deleted later (the
+        // affinity set of the Service gone, too).
+        let mut now = without_flushed(table(&rec));
+        let old_sets = now.sets.len();
+        now.sets.retain(|name, _| !name.contains("ns/gone"));
+        assert_eq!(now.sets.len(), old_sets - 1);
+        assert_eq!(now, expected(&st));
+        p.set_stale_chain_delay(Duration::ZERO);
+        p.sync(&st).unwrap();
+        assert_eq!(table(&rec), expected(&st));
     }
 
     #[test]

@@ -1,14 +1,18 @@
 //! One service port's objects in a model of the `kube-proxy` table (rendered, or read back
-//! from the kernel over netlink by [`super::proxier::NftBackend::read`]): its chains and the
-//! endpoint chains they lead to, with their rules in knftables' text, and its elements in the
-//! dispatch maps. Which chains and maps to read, and how to pick the port's part, is here,
-//! pure; and the form in which two rule lines compare.
+//! from the kernel over netlink by [`super::backend::NftBackend::read`]): its chains and the
+//! endpoint chains they lead to (session affinity), with their rules in knftables' text; its
+//! elements in the dispatch maps and the reject sets; its endpoints' intervals in the
+//! `service-endpoints-…` maps (the numbers its chains' `numgen` draws) and their
+//! `hairpin-endpoints` elements. Which chains and maps to read, and how to pick the port's
+//! part, is here, pure; and the form in which two rule lines compare.
 
-use super::ast::{ElemKey, family_keyword};
+use std::net::IpAddr;
+
+use super::ast::{ElemKey, ElemValue, Element, Statement, family_keyword};
 use super::names::TABLE;
 use super::names::{
-    ENDPOINT_PREFIX, FIREWALL_IPS, NO_ENDPOINT_NODEPORTS, NO_ENDPOINT_SERVICES, SERVICE_IPS, SERVICE_NODEPORTS,
-    ServicePortChains,
+    ENDPOINT_PREFIX, FIREWALL_IPS, HAIRPIN_ENDPOINTS, NO_ENDPOINT_NODEPORTS, NO_ENDPOINT_SERVICES, REJECT_NODEPORTS,
+    REJECT_SERVICES, SERVICE_IPS, SERVICE_NODEPORTS, ServicePortChains, is_service_endpoints,
 };
 use super::ruleset::Ruleset;
 use crate::model::ServicePort;
@@ -18,6 +22,31 @@ use crate::proxy::ProgrammedSection;
 pub const DISPATCH_MAPS: [&str; 5] = [
     SERVICE_IPS, SERVICE_NODEPORTS, NO_ENDPOINT_SERVICES, NO_ENDPOINT_NODEPORTS, FIREWALL_IPS,
 ];
+
+/// The sets and maps whose elements [`sections`] picks by key (besides the
+/// `service-endpoints-…` maps the port's rules name).
+pub fn element_sets() -> impl Iterator<Item = &'static str> {
+    DISPATCH_MAPS
+        .into_iter()
+        .chain([REJECT_SERVICES, REJECT_NODEPORTS, HAIRPIN_ENDPOINTS])
+}
+
+/// The `service-endpoints-…` map a rule line looks up, if any.
+fn endpoint_map(line: &str) -> Option<&str> {
+    let (_, map) = line.rsplit_once(" map @")?;
+    is_service_endpoints(map).then_some(map)
+}
+
+/// The `service-endpoints-…` maps that rule lines (`nft list` text) look up.
+pub fn endpoint_maps(lines: &[String]) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for map in lines.iter().filter_map(|l| endpoint_map(l)) {
+        if !out.iter().any(|o| o == map) {
+            out.push(map.to_string());
+        }
+    }
+    out
+}
 
 /// The chains of `port` that exist in every layout (the endpoint chains come from what they
 /// jump to, see [`endpoint_chains`]).
@@ -82,6 +111,43 @@ pub fn canonical_line(line: &str) -> String {
     out
 }
 
+/// A `service-endpoints-…` map's name without its shard number (`service-endpoints-tcp`);
+/// other names as they are.
+pub fn without_shard(name: &str) -> &str {
+    match name.rsplit_once('-') {
+        Some((base, n)) if is_service_endpoints(name) && n.bytes().all(|b| b.is_ascii_digit()) => base,
+        _ => name,
+    }
+}
+
+/// A line of a port's section in the form that does not depend on which numbers its blocks
+/// are (a proxier allocates them as Services come and go; a render of the state in order
+/// cannot know them): `numgen … offset N` without the offset, `@service-endpoints-tcp-07`
+/// without the shard, and an interval `first-last : VALUE` of a `service-endpoints-…` map as
+/// its size (`18480 : 10.244.1.5 . 8080`).
+pub fn without_blocks(place: &str, line: &str) -> String {
+    let in_map = place.rsplit(' ').next().is_some_and(is_service_endpoints);
+    if in_map && let Some((key, value)) = line.split_once(" : ") {
+        let (lo, hi) = key.split_once('-').unwrap_or((key, key));
+        if let (Ok(lo), Ok(hi)) = (lo.parse::<u64>(), hi.parse::<u64>()) {
+            return format!("{} : {value}", hi.saturating_sub(lo) + 1);
+        }
+    }
+    let mut words: Vec<String> = Vec::new();
+    let mut it = line.split(' ').peekable();
+    while let Some(w) = it.next() {
+        if w == "offset" && it.peek().is_some_and(|n| n.parse::<u32>().is_ok()) {
+            it.next();
+            continue;
+        }
+        words.push(match w.strip_prefix('@') {
+            Some(set) => format!("@{}", without_shard(set)),
+            None => w.to_string(),
+        });
+    }
+    words.join(" ")
+}
+
 /// The keys of `port`'s elements in the dispatch maps: each of its addresses with its
 /// protocol and port, and its NodePort.
 pub fn element_keys(port: &ServicePort) -> Vec<ElemKey> {
@@ -98,14 +164,23 @@ pub fn element_keys(port: &ServicePort) -> Vec<ElemKey> {
 }
 
 /// The sections of `port` in a model of the table (rendered, or read back from the kernel):
-/// its chains and the endpoint chains they lead to, each rule in knftables' text, then its
-/// elements of the dispatch maps (`key : verdict`). Direct lookups: cheap for every port of
-/// a large table.
+/// its chains and the endpoint chains they lead to, each rule in knftables' text; its
+/// elements of the dispatch maps (`key : verdict`) and of the reject sets; the intervals of
+/// the `service-endpoints-…` maps within the numbers its chains draw (`first-last : ADDR .
+/// PORT`), and the `hairpin-endpoints` elements of those endpoints. Direct lookups (a
+/// `service-endpoints-…` map is one shard of a protocol's): cheap for every port of a large
+/// table.
 pub fn sections(ruleset: &Ruleset, port: &ServicePort) -> Vec<ProgrammedSection> {
     let family = ruleset.family;
     let place = |kind: &str, name: &str| format!("{} {TABLE} {kind} {name}", family_keyword(family));
+    let line = |e: &Element| match &e.value {
+        Some(v) => format!("{} : {v}", e.key),
+        None => e.key.to_string(),
+    };
     let mut out = Vec::new();
     let mut chains = own_chains(port);
+    // (map, first, last) of each `dnat to numgen … map @service-endpoints-…`.
+    let mut blocks: Vec<(String, u32, u32)> = Vec::new();
     let mut i = 0;
     while i < chains.len() {
         let name = chains[i].clone();
@@ -119,6 +194,11 @@ pub fn sections(ruleset: &Ruleset, port: &ServicePort) -> Vec<ProgrammedSection>
                     chains.push(t.to_string());
                 }
             }
+            if let Statement::DnatNumgenMap { modulus, offset, map } = &rule.statement
+                && *modulus > 0
+            {
+                blocks.push((map.clone(), *offset, offset.saturating_add(modulus - 1)));
+            }
         }
         out.push(ProgrammedSection {
             place: place("chain", &name),
@@ -126,21 +206,61 @@ pub fn sections(ruleset: &Ruleset, port: &ServicePort) -> Vec<ProgrammedSection>
         });
     }
     let keys = element_keys(port);
-    for map in DISPATCH_MAPS {
+    let keyed = DISPATCH_MAPS
+        .iter()
+        .map(|m| ("map", *m))
+        .chain([REJECT_SERVICES, REJECT_NODEPORTS].map(|s| ("set", s)));
+    for (kind, name) in keyed {
+        let Some(set) = ruleset.sets.get(name) else {
+            continue;
+        };
+        let lines: Vec<String> = keys.iter().filter_map(|k| set.elements.get(k)).map(line).collect();
+        if !lines.is_empty() {
+            out.push(ProgrammedSection {
+                place: place(kind, name),
+                lines,
+            });
+        }
+    }
+    let mut endpoints: Vec<IpAddr> = Vec::new();
+    let mut maps: Vec<&str> = Vec::new();
+    for (m, ..) in &blocks {
+        if !maps.contains(&m.as_str()) {
+            maps.push(m);
+        }
+    }
+    for map in maps {
         let Some(set) = ruleset.sets.get(map) else {
             continue;
         };
-        let lines: Vec<String> = keys
+        let within = |e: &&Element| match e.key {
+            ElemKey::Range(lo, hi) => blocks.iter().any(|(m, a, b)| m == map && *a <= lo && hi <= *b),
+            _ => false,
+        };
+        let ours: Vec<&Element> = set.elements.values().filter(within).collect();
+        for e in &ours {
+            if let Some(ElemValue::AddrPort(sa)) = &e.value
+                && !endpoints.contains(&sa.ip())
+            {
+                endpoints.push(sa.ip());
+            }
+        }
+        if !ours.is_empty() {
+            out.push(ProgrammedSection {
+                place: place("map", map),
+                lines: ours.into_iter().map(line).collect(),
+            });
+        }
+    }
+    if let Some(set) = ruleset.sets.get(HAIRPIN_ENDPOINTS) {
+        let lines: Vec<String> = endpoints
             .iter()
-            .filter_map(|k| set.elements.get(k))
-            .map(|e| match &e.value {
-                Some(v) => format!("{} : {v}", e.key),
-                None => e.key.to_string(),
-            })
+            .filter_map(|ip| set.elements.get(&ElemKey::AddrPair(*ip, *ip)))
+            .map(line)
             .collect();
         if !lines.is_empty() {
             out.push(ProgrammedSection {
-                place: place("map", map),
+                place: place("set", HAIRPIN_ENDPOINTS),
                 lines,
             });
         }
@@ -184,39 +304,93 @@ mod tests {
     }
 
     #[test]
-    fn picks_the_ports_elements_and_endpoint_chains() {
+    fn picks_the_ports_elements_and_endpoint_intervals() {
         let port = web();
         let mut sps = crate::model::testing::port("default", "web", 10, Protocol::Tcp, &[1, 2]);
         sps.port = port.clone();
         let other = crate::model::testing::port("default", "db", 11, Protocol::Tcp, &[3]);
-        let state = crate::model::testing::state(vec![sps, other], &[]);
+        let empty = crate::model::testing::port("default", "none", 12, Protocol::Tcp, &[]);
+        let mut sticky = crate::model::testing::port("default", "sticky", 13, Protocol::Tcp, &[4, 5]);
+        sticky.port.session_affinity_timeout = Some(60);
+        let state = crate::model::testing::state(vec![sps, other, empty.clone(), sticky.clone()], &[]);
         let tx = super::super::render::render_tx(&state, &crate::proxy::RenderOptions::default(), true);
         let table = Ruleset::from_transaction(&tx).expect("applies");
         let sections = sections(&table, &port);
         let places: Vec<&str> = sections.iter().map(|s| s.place.as_str()).collect();
         assert!(places[0].starts_with("ip kube-proxy chain service-"), "{places:?}");
-        assert_eq!(
-            places.iter().filter(|p| p.contains("chain endpoint-")).count(),
-            2,
-            "{places:?}"
-        );
-        let maps: Vec<&ProgrammedSection> = sections.iter().filter(|s| s.place.contains(" map ")).collect();
-        let elements: Vec<&String> = maps.iter().flat_map(|s| &s.lines).collect();
-        assert!(
-            elements
+        assert!(!places.iter().any(|p| p.contains("chain endpoint-")), "{places:?}");
+        let lines = |prefix: &str| -> Vec<String> {
+            sections
                 .iter()
+                .filter(|s| s.place.starts_with(prefix))
+                .flat_map(|s| s.lines.clone())
+                .collect()
+        };
+        let maps = lines("ip kube-proxy map service-ips");
+        assert!(
+            maps.iter()
                 .any(|e| e.starts_with("10.96.165.10 . tcp . 80 : goto service-")),
-            "{elements:?}"
+            "{maps:?}"
         );
         assert!(
-            elements.iter().any(|e| e.starts_with("tcp . 32517 : goto external-")),
-            "{elements:?}"
+            lines("ip kube-proxy map service-nodeports")
+                .iter()
+                .any(|e| e.starts_with("tcp . 32517 : goto external-")),
+            "{sections:?}"
         );
+        // Its endpoints' intervals of the numbers its chain draws, and their hairpin elements.
+        let intervals = lines("ip kube-proxy map service-endpoints-tcp-");
+        assert_eq!(intervals.len(), 2, "{intervals:?}");
         assert!(
-            !elements.iter().any(|e| e.contains("10.96.0.11")),
-            "not db's: {elements:?}"
+            intervals
+                .iter()
+                .all(|l| l.contains(" : 10.244.1.1 . 8080") || l.contains(" : 10.244.1.2 . 8080"))
         );
+        assert_eq!(
+            lines("ip kube-proxy set hairpin-endpoints"),
+            vec!["10.244.1.1 . 10.244.1.1", "10.244.1.2 . 10.244.1.2"]
+        );
+        let all: Vec<&String> = sections.iter().flat_map(|s| &s.lines).collect();
+        assert!(
+            !all.iter().any(|e| e.contains("10.96.0.11") || e.contains("10.244.1.3")),
+            "not db's: {all:?}"
+        );
+
+        // No endpoints: the reject set's element.
+        let none = super::sections(&table, &empty.port);
+        assert!(
+            none.iter().any(|s| s.place == "ip kube-proxy set reject-services"
+                && s.lines == vec!["10.96.0.12 . tcp . 80".to_string()]),
+            "{none:?}"
+        );
+        // Session affinity: a chain per endpoint.
+        let sticky = super::sections(&table, &sticky.port);
+        assert_eq!(
+            sticky.iter().filter(|s| s.place.contains("chain endpoint-")).count(),
+            2,
+            "{sticky:?}"
+        );
+
         let lines = vec!["numgen random mod 2 vmap { 0 : goto endpoint-B , 1 : goto endpoint-C }".to_string()];
         assert_eq!(endpoint_chains(&lines), vec!["endpoint-B", "endpoint-C"]);
+        let place = "ip kube-proxy map service-endpoints-tcp-07";
+        assert_eq!(
+            without_blocks(place, "110880-129359 : 10.244.1.5 . 8080"),
+            "18480 : 10.244.1.5 . 8080"
+        );
+        assert_eq!(
+            without_blocks(
+                "ip kube-proxy chain service-A",
+                "meta l4proto tcp dnat ip to numgen random mod 55440 offset 110880 map @service-endpoints-tcp-07"
+            ),
+            "meta l4proto tcp dnat ip to numgen random mod 55440 map @service-endpoints-tcp"
+        );
+        assert_eq!(without_shard("service-endpoints-udp-63"), "service-endpoints-udp");
+        assert_eq!(without_shard("service-ips"), "service-ips");
+        let listed = vec![
+            "meta l4proto tcp dnat ip to numgen random mod 55440 offset 110880 map @service-endpoints-tcp-07"
+                .to_string(),
+        ];
+        assert_eq!(endpoint_maps(&listed), vec!["service-endpoints-tcp-07"]);
     }
 }

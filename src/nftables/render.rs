@@ -25,9 +25,10 @@ use std::net::{IpAddr, SocketAddr};
 use ipnet::IpNet;
 
 use super::ast::{
-    AddrSpec, BaseHook, ChainDecl, Dir, ElemKey, Element, KeyType, Match, Op, Rule, SetDecl, Statement, Transaction,
-    Verdict, VmapKey,
+    AddrSpec, BaseHook, ChainDecl, Dir, ElemKey, ElemValue, Element, KeyType, MapValue, Match, Op, Rule, SetDecl,
+    Statement, Transaction, Verdict, VmapKey,
 };
+use super::blocks::{self, BLOCK, Blocks, Pool, PortBlocks};
 use super::names::*;
 use crate::config::LocalDetector;
 use crate::model::{Endpoint, EndpointSets, IpFamily, NodeTopology, ProxyState, ServicePort, ServicePortState};
@@ -121,7 +122,7 @@ struct Tx {
     tx: Transaction,
     created_chains: HashSet<String>,
     /// (container, key) → value of every element added so far.
-    elements: HashMap<(&'static str, ElemKey), Option<Verdict>>,
+    elements: HashMap<(&'static str, ElemKey), Option<ElemValue>>,
 }
 
 impl Tx {
@@ -156,7 +157,7 @@ impl Tx {
         });
     }
 
-    fn add_set(&mut self, name: &str, key: KeyType, map: bool, comment: Option<&str>) {
+    fn add_set(&mut self, name: &str, key: KeyType, map: Option<MapValue>, comment: Option<&str>) {
         self.tx.push(Op::AddSet(SetDecl {
             name: name.to_string(),
             key,
@@ -168,7 +169,13 @@ impl Tx {
 
     /// Upstream's `nftElementStorage.ensureElem`: an element already present with the same
     /// value is not added again; one with another value is deleted and re-added.
-    fn ensure_element(&mut self, container: &'static str, key: ElemKey, value: Option<Verdict>, comment: Option<&str>) {
+    fn ensure_element(
+        &mut self,
+        container: &'static str,
+        key: ElemKey,
+        value: Option<ElemValue>,
+        comment: Option<&str>,
+    ) {
         let element = Element {
             key: key.clone(),
             value: value.clone(),
@@ -339,8 +346,11 @@ pub fn render_parts(state: &ProxyState, opts: &RenderOptions, first_sync: bool) 
     setup(&mut tx, &ctx, first_sync);
     let setup_tx = std::mem::replace(&mut tx.tx, Transaction::new(ctx.family));
     let mut services = Vec::with_capacity(state.service_ports.len());
+    // Blocks in state order, as a proxier that synced this state from nothing holds them.
+    let mut taken = Blocks::default();
     for sps in &state.service_ports {
-        render_service(&mut tx, &ctx, sps);
+        let port_blocks = allocate_blocks(&mut taken, sps);
+        render_service(&mut tx, &ctx, sps, port_blocks);
         services.push(std::mem::replace(&mut tx.tx, Transaction::new(ctx.family)));
     }
     RenderedParts {
@@ -365,6 +375,10 @@ impl ServiceRenderer {
     }
 
     /// The table, base and fixed chains, sets and maps (and their flushes) of a full sync.
+    pub fn family(&self) -> IpFamily {
+        self.ctx.family
+    }
+
     pub fn setup(&self, first_sync: bool) -> Transaction {
         let mut tx = Tx::new(self.ctx.family);
         setup(&mut tx, &self.ctx, first_sync);
@@ -372,11 +386,51 @@ impl ServiceRenderer {
     }
 
     /// The commands that create one service port's chains, sets and elements on their own
-    /// (element de-duplication only within this service port).
-    pub fn service(&self, sps: &ServicePortState) -> Transaction {
+    /// (element de-duplication only within this service port). `blocks`: the numgen blocks of
+    /// its selections ([`map_pools`]), or `None` for a chain per endpoint.
+    pub fn service(&self, sps: &ServicePortState, blocks: Option<PortBlocks>) -> Transaction {
         let mut tx = Tx::new(self.ctx.family);
-        render_service(&mut tx, &self.ctx, sps);
+        render_service(&mut tx, &self.ctx, sps, blocks);
         tx.tx
+    }
+}
+
+/// The selections a service port makes through `service-endpoints`, or `None` when it keeps
+/// upstream's chain per endpoint: ClientIP affinity remembers the chosen endpoint per client
+/// in a set per endpoint, updated from that endpoint's chain.
+pub fn map_pools(sps: &ServicePortState) -> Option<Vec<Pool>> {
+    let svc = &sps.port;
+    if svc.session_affinity_timeout.is_some() {
+        return None;
+    }
+    let mut pools = Vec::with_capacity(2);
+    if svc.uses_cluster_endpoints() {
+        pools.push(Pool::Cluster);
+    }
+    if svc.uses_local_endpoints() {
+        pools.push(Pool::Local);
+    }
+    Some(pools)
+}
+
+/// Allocates the blocks a service port needs; `None` (and nothing taken) when it keeps a
+/// chain per endpoint, by its kind or because the blocks ran out.
+pub fn allocate_blocks(taken: &mut Blocks, sps: &ServicePortState) -> Option<PortBlocks> {
+    update_blocks(taken, sps, None)
+}
+
+/// The blocks of a service port that held `current`: those it keeps, new ones for the
+/// selections it gained, those it lost released; `None` (all released) when it now keeps a
+/// chain per endpoint.
+pub fn update_blocks(taken: &mut Blocks, sps: &ServicePortState, current: Option<PortBlocks>) -> Option<PortBlocks> {
+    let mut port_blocks = current.unwrap_or_default();
+    let pools = map_pools(sps).unwrap_or_default();
+    taken.update(&sps.port.name, &mut port_blocks, &pools);
+    if !pools.is_empty() && pools.iter().all(|p| port_blocks.get(*p).is_some()) {
+        Some(port_blocks)
+    } else {
+        taken.update(&sps.port.name, &mut port_blocks, &[]);
+        None
     }
 }
 
@@ -397,8 +451,14 @@ fn setup(tx: &mut Tx, ctx: &Ctx, first_sync: bool) {
         (FIREWALL_IPS, true),
         (NO_ENDPOINT_SERVICES, true),
         (NO_ENDPOINT_NODEPORTS, true),
+        (REJECT_SERVICES, false),
+        (REJECT_NODEPORTS, false),
         (SERVICE_NODEPORTS, true),
-    ] {
+        (HAIRPIN_ENDPOINTS, false),
+    ]
+    .into_iter()
+    .chain(service_endpoints_maps().map(|(m, _)| (m, true)))
+    {
         tx.tx.push(Op::FlushSet {
             name: name.to_string(),
             map,
@@ -441,6 +501,28 @@ fn base_chains(tx: &mut Tx, first_sync: bool) {
 /// clears the mark so that a packet re-traversing the stack is not masqueraded twice).
 fn masquerading(tx: &mut Tx, mark: u32) {
     tx.add_rule(MARK_FOR_MASQUERADE, Rule::new(vec![], Statement::MarkSetOr(mark)));
+    // Hairpin: a pod DNATed to itself must be masqueraded, or it would answer itself directly
+    // (upstream: a rule in each endpoint chain; here one lookup of the endpoints chosen
+    // through `service-endpoints`).
+    tx.add_set(
+        HAIRPIN_ENDPOINTS,
+        KeyType::AddrPair,
+        None,
+        Some("endpoints reached from themselves through a service: masqueraded"),
+    );
+    tx.add_rule(
+        MASQUERADING,
+        Rule::verdict(
+            vec![
+                Match::CtStatusDnat,
+                Match::InSet {
+                    key: VmapKey::SaddrDaddr,
+                    set: HAIRPIN_ENDPOINTS.to_string(),
+                },
+            ],
+            jump(MARK_FOR_MASQUERADE),
+        ),
+    );
     tx.add_rule(
         MASQUERADING,
         Rule::verdict(vec![Match::MarkAndZero(mark)], Verdict::Return),
@@ -452,7 +534,7 @@ fn masquerading(tx: &mut Tx, mark: u32) {
 /// `cluster-ips` and `cluster-ips-check`: unknown ports of ClusterIPs are rejected, and
 /// addresses of the ServiceCIDRs that are no ClusterIP dropped.
 fn cluster_ips_check(tx: &mut Tx, ctx: &Ctx) {
-    tx.add_set(CLUSTER_IPS, KeyType::Addr, false, Some("Active ClusterIPs"));
+    tx.add_set(CLUSTER_IPS, KeyType::Addr, None, Some("Active ClusterIPs"));
     tx.add_rule(
         CLUSTER_IPS_CHECK,
         Rule::verdict(vec![addr_in_set(Dir::Daddr, CLUSTER_IPS)], Verdict::Reject)
@@ -483,7 +565,7 @@ fn nodeport_ips(tx: &mut Tx, ctx: &Ctx) {
     tx.add_set(
         NODEPORT_IPS,
         KeyType::Addr,
-        false,
+        None,
         Some("IPs that accept NodePort traffic"),
     );
     if ctx.node_port_addresses.match_all() {
@@ -534,33 +616,53 @@ fn vmap_rule(matches: Vec<Match>, key: VmapKey, map: &str) -> Rule {
     )
 }
 
-/// `no-endpoint-services` / `no-endpoint-nodeports`, the reject chain their verdicts go to,
-/// and the endpoint checks that look them up.
+/// `no-endpoint-services` / `no-endpoint-nodeports` (drop), `reject-services` /
+/// `reject-nodeports` (reject), and the endpoint checks that look them up. Upstream rejects
+/// through `goto reject-chain` verdicts in the maps; a plain set element is the same change
+/// without the validation of the whole table that adding a jump verdict makes the kernel do.
 fn no_endpoint_checks(tx: &mut Tx, ctx: &Ctx) {
     tx.add_set(
         NO_ENDPOINT_SERVICES,
         KeyType::AddrProtoPort,
-        true,
-        Some("vmap to drop or reject packets to services with no endpoints"),
+        Some(MapValue::Verdict),
+        Some("vmap to drop packets to services with no endpoints for their traffic policy"),
     );
     tx.add_set(
         NO_ENDPOINT_NODEPORTS,
         KeyType::ProtoPort,
-        true,
-        Some("vmap to drop or reject packets to service nodeports with no endpoints"),
+        Some(MapValue::Verdict),
+        Some("vmap to drop packets to service nodeports with no endpoints for their traffic policy"),
     );
-
-    tx.tx.push(Op::AddChain(ChainDecl {
-        name: REJECT_CHAIN.to_string(),
-        base: None,
-        comment: Some("helper for @no-endpoint-services / @no-endpoint-nodeports".to_string()),
-    }));
-    tx.flush_chain(REJECT_CHAIN);
-    tx.add_rule(REJECT_CHAIN, Rule::verdict(vec![], Verdict::Reject));
-
+    tx.add_set(
+        REJECT_SERVICES,
+        KeyType::AddrProtoPort,
+        None,
+        Some("services with no endpoints: new connections are rejected"),
+    );
+    tx.add_set(
+        REJECT_NODEPORTS,
+        KeyType::ProtoPort,
+        None,
+        Some("service nodeports with no endpoints: new connections are rejected"),
+    );
+    let in_set = |key, set: &str| Match::InSet {
+        key,
+        set: set.to_string(),
+    };
+    tx.add_rule(
+        SERVICE_ENDPOINTS_CHECK,
+        Rule::verdict(vec![in_set(VmapKey::DaddrProtoPort, REJECT_SERVICES)], Verdict::Reject),
+    );
     tx.add_rule(
         SERVICE_ENDPOINTS_CHECK,
         vmap_rule(vec![], VmapKey::DaddrProtoPort, NO_ENDPOINT_SERVICES),
+    );
+    tx.add_rule(
+        NODEPORT_ENDPOINTS_CHECK,
+        Rule::verdict(
+            vec![nodeport_daddr(ctx), in_set(VmapKey::ProtoPort, REJECT_NODEPORTS)],
+            Verdict::Reject,
+        ),
     );
     tx.add_rule(
         NODEPORT_ENDPOINTS_CHECK,
@@ -573,7 +675,7 @@ fn firewall_check(tx: &mut Tx) {
     tx.add_set(
         FIREWALL_IPS,
         KeyType::AddrProtoPort,
-        true,
+        Some(MapValue::Verdict),
         Some("destinations that are subject to LoadBalancerSourceRanges"),
     );
     tx.ensure_chain(FIREWALL_CHECK);
@@ -585,10 +687,23 @@ fn service_maps(tx: &mut Tx, ctx: &Ctx) {
     tx.add_set(
         SERVICE_IPS,
         KeyType::AddrProtoPort,
-        true,
+        Some(MapValue::Verdict),
         Some("ClusterIP, ExternalIP and LoadBalancer IP traffic"),
     );
-    tx.add_set(SERVICE_NODEPORTS, KeyType::ProtoPort, true, Some("NodePort traffic"));
+    tx.add_set(
+        SERVICE_NODEPORTS,
+        KeyType::ProtoPort,
+        Some(MapValue::Verdict),
+        Some("NodePort traffic"),
+    );
+    for (map, protocol) in service_endpoints_maps() {
+        tx.add_set(
+            map,
+            KeyType::Numgen(BLOCK),
+            Some(MapValue::AddrPort(protocol)),
+            Some("each service port's random numbers, split among its endpoints"),
+        );
+    }
     tx.add_rule(SERVICES, vmap_rule(vec![], VmapKey::DaddrProtoPort, SERVICE_IPS));
     let nodeport_matches = if ctx.node_port_addresses.match_all() {
         vec![Match::FibLocal(Dir::Daddr), nodeport_daddr(ctx)]
@@ -615,8 +730,8 @@ fn endpoint_names(sps: &ServicePortState, ep: &Endpoint) -> EndpointNames {
 }
 
 /// The per-service part of upstream's `syncProxyRules`, in its order.
-fn render_service(tx: &mut Tx, ctx: &Ctx, sps: &ServicePortState) {
-    let r = ServiceRules::new(ctx, sps);
+fn render_service(tx: &mut Tx, ctx: &Ctx, sps: &ServicePortState, blocks: Option<PortBlocks>) {
+    let r = ServiceRules::new(ctx, sps, blocks);
     r.declare_chains(tx);
     // The dispatch to the service's chains (or its drop/reject), per kind of address.
     r.cluster_ip(tx);
@@ -630,6 +745,7 @@ fn render_service(tx: &mut Tx, ctx: &Ctx, sps: &ServicePortState) {
     r.affinity_sets(tx);
     r.service_chains(tx);
     r.endpoint_chains(tx);
+    r.endpoint_elements(tx);
 }
 
 /// One service port being rendered: its names, its endpoints, and which of its chains its
@@ -646,12 +762,15 @@ struct ServiceRules<'a> {
     has_internal: bool,
     /// External traffic has endpoints under its traffic policy.
     has_external: bool,
-    /// The verdict of the no-endpoint maps: reject without any endpoint, else drop.
-    no_endpoint_verdict: Verdict,
+    /// Without any endpoint, traffic without endpoints is rejected, else dropped.
+    reject: bool,
+    /// Endpoints chosen through `service-endpoints` from these blocks; `None`: upstream's
+    /// chain per endpoint.
+    blocks: Option<PortBlocks>,
 }
 
 impl<'a> ServiceRules<'a> {
-    fn new(ctx: &'a Ctx, sps: &'a ServicePortState) -> ServiceRules<'a> {
+    fn new(ctx: &'a Ctx, sps: &'a ServicePortState, blocks: Option<PortBlocks>) -> ServiceRules<'a> {
         let svc = &sps.port;
         let chains = ServicePortChains::new(
             &svc.name.namespace,
@@ -660,11 +779,6 @@ impl<'a> ServiceRules<'a> {
             &svc.name.port,
         );
         let sets = ctx.topology.endpoint_sets(sps);
-        let no_endpoint_verdict = if !sets.has_any {
-            goto(REJECT_CHAIN)
-        } else {
-            Verdict::Drop
-        };
         ServiceRules {
             ctx,
             sps,
@@ -673,8 +787,9 @@ impl<'a> ServiceRules<'a> {
             chains,
             has_internal: sets.has_for_policy(svc.internal_policy_local),
             has_external: sets.has_for_policy(svc.external_policy_local),
+            reject: !sets.has_any,
             sets,
-            no_endpoint_verdict,
+            blocks,
         }
     }
 
@@ -682,18 +797,31 @@ impl<'a> ServiceRules<'a> {
         self.sets.has_any
     }
 
+    /// Whether endpoints are chosen through `service-endpoints`. Then the service's chains and
+    /// dispatch elements exist whether it has endpoints or not (a selection without any finds
+    /// no number in the map, and the traffic is dropped or rejected by the endpoint checks),
+    /// so that endpoints coming and going change map elements only.
+    fn by_map(&self) -> bool {
+        self.blocks.is_some()
+    }
+
+    /// Traffic is sent to the service's chains (rather than only dropped or rejected).
+    fn dispatched(&self) -> bool {
+        self.by_map() || self.has_endpoints()
+    }
+
     fn uses_cluster_chain(&self) -> bool {
-        !self.sets.cluster.is_empty() && self.svc.uses_cluster_endpoints()
+        (self.by_map() || !self.sets.cluster.is_empty()) && self.svc.uses_cluster_endpoints()
     }
 
     fn uses_local_chain(&self) -> bool {
-        !self.sets.local.is_empty() && self.svc.uses_local_endpoints()
+        (self.by_map() || !self.sets.local.is_empty()) && self.svc.uses_local_endpoints()
     }
 
     /// Based on has_endpoints, not has_external: the short-circuit rules for local traffic
     /// are needed even when there are no externally usable endpoints.
     fn uses_external_chain(&self) -> bool {
-        self.has_endpoints() && self.svc.externally_accessible()
+        self.dispatched() && self.svc.externally_accessible()
     }
 
     /// Unlike the iptables mode, the firewall chain does not depend on having endpoints.
@@ -715,16 +843,24 @@ impl<'a> ServiceRules<'a> {
         ElemKey::AddrProtoPort(ip, self.svc.protocol, self.svc.port)
     }
 
-    /// Drop or reject traffic to `key` in the no-endpoint map `map`.
-    fn no_endpoint(&self, tx: &mut Tx, map: &'static str, key: ElemKey) {
-        tx.ensure_element(map, key, Some(self.no_endpoint_verdict.clone()), Some(&self.name));
+    /// Drop or reject traffic to `key` (a NodePort's when `node_port`).
+    fn no_endpoint(&self, tx: &mut Tx, node_port: bool, key: ElemKey) {
+        let comment = Some(self.name.as_str());
+        match (self.reject, node_port) {
+            (true, false) => tx.ensure_element(REJECT_SERVICES, key, None, comment),
+            (true, true) => tx.ensure_element(REJECT_NODEPORTS, key, None, comment),
+            (false, false) => tx.ensure_element(NO_ENDPOINT_SERVICES, key, Some(Verdict::Drop.into()), comment),
+            (false, true) => tx.ensure_element(NO_ENDPOINT_NODEPORTS, key, Some(Verdict::Drop.into()), comment),
+        }
     }
 
     /// The endpoint chains, then the service's chains that have rules (the firewall chain
     /// comes later, among the load-balancer elements).
     fn declare_chains(&self, tx: &mut Tx) {
-        for ep in &self.sets.all_reachable {
-            tx.ensure_chain(&endpoint_names(self.sps, ep).chain);
+        if !self.by_map() {
+            for ep in &self.sets.all_reachable {
+                tx.ensure_chain(&endpoint_names(self.sps, ep).chain);
+            }
         }
         if self.uses_cluster_chain() {
             tx.ensure_chain(&self.chains.cluster);
@@ -740,23 +876,34 @@ impl<'a> ServiceRules<'a> {
     fn cluster_ip(&self, tx: &mut Tx) {
         let cluster_ip = self.svc.cluster_ip;
         tx.ensure_element(CLUSTER_IPS, ElemKey::Addr(cluster_ip), None, None);
-        if self.has_internal {
+        if self.has_internal || self.by_map() {
             let internal_chain = self.policy_chain(self.svc.internal_policy_local);
-            tx.ensure_element(SERVICE_IPS, self.key(cluster_ip), Some(goto(internal_chain)), None);
-        } else {
-            self.no_endpoint(tx, NO_ENDPOINT_SERVICES, self.key(cluster_ip));
+            tx.ensure_element(
+                SERVICE_IPS,
+                self.key(cluster_ip),
+                Some(goto(internal_chain).into()),
+                None,
+            );
+        }
+        if !self.has_internal {
+            self.no_endpoint(tx, false, self.key(cluster_ip));
         }
     }
 
     fn external_ips(&self, tx: &mut Tx) {
         for &ext in &self.svc.external_ips {
-            if self.has_endpoints() {
-                tx.ensure_element(SERVICE_IPS, self.key(ext), Some(goto(&self.chains.external)), None);
+            if self.dispatched() {
+                tx.ensure_element(
+                    SERVICE_IPS,
+                    self.key(ext),
+                    Some(goto(&self.chains.external).into()),
+                    None,
+                );
             }
             if !self.has_external {
                 // No endpoints at all (reject), or none for external traffic (drop what the
                 // external chain did not short-circuit).
-                self.no_endpoint(tx, NO_ENDPOINT_SERVICES, self.key(ext));
+                self.no_endpoint(tx, false, self.key(ext));
             }
         }
     }
@@ -767,16 +914,26 @@ impl<'a> ServiceRules<'a> {
             tx.ensure_chain(&self.chains.firewall);
         }
         for &lb in &self.svc.load_balancer_vips {
-            if self.has_endpoints() {
-                tx.ensure_element(SERVICE_IPS, self.key(lb), Some(goto(&self.chains.external)), None);
+            if self.dispatched() {
+                tx.ensure_element(
+                    SERVICE_IPS,
+                    self.key(lb),
+                    Some(goto(&self.chains.external).into()),
+                    None,
+                );
             }
             if uses_fw_chain {
-                tx.ensure_element(FIREWALL_IPS, self.key(lb), Some(goto(&self.chains.firewall)), None);
+                tx.ensure_element(
+                    FIREWALL_IPS,
+                    self.key(lb),
+                    Some(goto(&self.chains.firewall).into()),
+                    None,
+                );
             }
         }
         if !self.has_external {
             for &lb in &self.svc.load_balancer_vips {
-                self.no_endpoint(tx, NO_ENDPOINT_SERVICES, self.key(lb));
+                self.no_endpoint(tx, false, self.key(lb));
             }
         }
     }
@@ -787,23 +944,23 @@ impl<'a> ServiceRules<'a> {
             return;
         }
         let np_key = ElemKey::ProtoPort(self.svc.protocol, node_port);
-        if self.has_endpoints() {
+        if self.dispatched() {
             // NodePorts are not subject to loadBalancerSourceRanges (upstream behaviour).
             tx.ensure_element(
                 SERVICE_NODEPORTS,
                 np_key.clone(),
-                Some(goto(&self.chains.external)),
+                Some(goto(&self.chains.external).into()),
                 None,
             );
         }
         if !self.has_external {
-            self.no_endpoint(tx, NO_ENDPOINT_NODEPORTS, np_key);
+            self.no_endpoint(tx, true, np_key);
         }
     }
 
     /// Internal traffic: masquerade off-cluster sources (they may bounce off-node).
     fn internal_masquerade(&self, tx: &mut Tx) {
-        if !self.has_internal {
+        if !self.has_internal && !self.by_map() {
             return;
         }
         let internal_chain = self.policy_chain(self.svc.internal_policy_local);
@@ -851,7 +1008,7 @@ impl<'a> ServiceRules<'a> {
                     .with_comment("short-circuit local traffic"),
             );
         }
-        if self.has_external {
+        if self.has_external || self.by_map() {
             let external_policy_chain = self.policy_chain(self.svc.external_policy_local);
             tx.add_rule(external_chain, Rule::verdict(vec![], goto(external_policy_chain)));
         }
@@ -897,7 +1054,7 @@ impl<'a> ServiceRules<'a> {
             tx.tx.push(Op::AddSet(SetDecl {
                 name: endpoint_names(self.sps, ep).affinity_set,
                 key: KeyType::Addr,
-                map: false,
+                map: None,
                 timeout_seconds: Some(timeout),
                 comment: None,
             }));
@@ -906,6 +1063,27 @@ impl<'a> ServiceRules<'a> {
 
     /// `service-…` and `local-…`: the choice of an endpoint, for Cluster and Local traffic.
     fn service_chains(&self, tx: &mut Tx) {
+        if let Some(blocks) = self.blocks {
+            for (pool, chain, used) in [
+                (Pool::Cluster, &self.chains.cluster, self.uses_cluster_chain()),
+                (Pool::Local, &self.chains.local, self.uses_local_chain()),
+            ] {
+                if let (true, Some(id)) = (used, blocks.get(pool)) {
+                    tx.add_rule(
+                        chain,
+                        Rule::new(
+                            vec![Match::L4proto(self.svc.protocol)],
+                            Statement::DnatNumgenMap {
+                                modulus: BLOCK,
+                                offset: blocks::start(id),
+                                map: service_endpoints(self.svc.protocol, id).to_string(),
+                            },
+                        ),
+                    );
+                }
+            }
+            return;
+        }
         if self.uses_cluster_chain() {
             write_service_to_endpoint_rules(tx, self.sps, &self.chains.cluster, &self.sets.cluster);
         }
@@ -916,6 +1094,9 @@ impl<'a> ServiceRules<'a> {
 
     /// `endpoint-…`: one chain per endpoint, DNAT to it.
     fn endpoint_chains(&self, tx: &mut Tx) {
+        if self.by_map() {
+            return;
+        }
         for ep in &self.sets.all_reachable {
             let names = endpoint_names(self.sps, ep);
             // Hairpin: a pod reaching itself through the Service must be masqueraded.
@@ -943,6 +1124,36 @@ impl<'a> ServiceRules<'a> {
                     Statement::Dnat(SocketAddr::new(ep.ip, ep.port)),
                 ),
             );
+        }
+    }
+}
+
+impl ServiceRules<'_> {
+    /// The endpoints of a selection by map: each one's share of the selection's block in
+    /// `service-endpoints`, and its hairpin element.
+    fn endpoint_elements(&self, tx: &mut Tx) {
+        let Some(blocks) = self.blocks else {
+            return;
+        };
+        for (pool, endpoints, used) in [
+            (Pool::Cluster, &self.sets.cluster, self.uses_cluster_chain()),
+            (Pool::Local, &self.sets.local, self.uses_local_chain()),
+        ] {
+            let (true, Some(id)) = (used, blocks.get(pool)) else {
+                continue;
+            };
+            let targets: Vec<SocketAddr> = endpoints.iter().map(|ep| SocketAddr::new(ep.ip, ep.port)).collect();
+            for (lo, hi, to) in blocks::shares(id, &targets) {
+                tx.ensure_element(
+                    service_endpoints(self.svc.protocol, id),
+                    ElemKey::Range(lo, hi),
+                    Some(ElemValue::AddrPort(to)),
+                    None,
+                );
+            }
+        }
+        for ep in &self.sets.all_reachable {
+            tx.ensure_element(HAIRPIN_ENDPOINTS, ElemKey::AddrPair(ep.ip, ep.ip), None, None);
         }
     }
 }
@@ -1023,10 +1234,13 @@ mod tests {
         let l = lines(&out);
         for want in [
             "add rule ip kube-proxy service-ULMVA6XW-ns1/svc1/tcp/p80 ip daddr 172.30.0.41 ip saddr != 10.0.0.0/8 jump mark-for-masquerade",
-            // Upstream: `numgen random mod 1 vmap { 0 : goto … }`; one endpoint is a plain goto here.
-            "add rule ip kube-proxy service-ULMVA6XW-ns1/svc1/tcp/p80 goto endpoint-5OJB2KTY-ns1/svc1/tcp/p80__10.180.0.1/80",
-            "add rule ip kube-proxy endpoint-5OJB2KTY-ns1/svc1/tcp/p80__10.180.0.1/80 ip saddr 10.180.0.1 jump mark-for-masquerade",
-            "add rule ip kube-proxy endpoint-5OJB2KTY-ns1/svc1/tcp/p80__10.180.0.1/80 meta l4proto tcp dnat to 10.180.0.1:80",
+            // Upstream: `numgen random mod 1 vmap { 0 : goto endpoint-… }` and an endpoint chain
+            // (hairpin masquerade, dnat). Here: the service port's block of numbers in
+            // `service-endpoints`, all of it the endpoint's, and its hairpin element.
+            "add rule ip kube-proxy service-ULMVA6XW-ns1/svc1/tcp/p80 meta l4proto tcp dnat to numgen random mod 55440 offset 2959220880 map @service-endpoints-tcp-01",
+            "add element ip kube-proxy service-endpoints-tcp-01 { 2959220880-2959276319 : 10.180.0.1 . 80 }",
+            "add element ip kube-proxy hairpin-endpoints { 10.180.0.1 . 10.180.0.1 }",
+            "add rule ip kube-proxy masquerading ct status dnat ip saddr . ip daddr @hairpin-endpoints jump mark-for-masquerade",
             "add element ip kube-proxy cluster-ips { 172.30.0.41 }",
             "add element ip kube-proxy service-ips { 172.30.0.41 . tcp . 80 : goto service-ULMVA6XW-ns1/svc1/tcp/p80 }",
             "add table ip kube-proxy { comment \"rules for kube-proxy\" ; }",
@@ -1039,10 +1253,15 @@ mod tests {
             "add rule ip kube-proxy nodeport-endpoints-check ip daddr @nodeport-ips meta l4proto . th dport vmap @no-endpoint-nodeports",
             "add element ip kube-proxy nodeport-ips { 192.168.0.2 }",
             "add rule ip kube-proxy masquerading mark and 0x004000 == 0 return",
-            "add chain ip kube-proxy reject-chain { comment \"helper for @no-endpoint-services / @no-endpoint-nodeports\" ; }",
+            // Upstream: `goto reject-chain` verdicts in the no-endpoint maps; here a set.
+            "add rule ip kube-proxy service-endpoints-check ip daddr . meta l4proto . th dport @reject-services reject",
         ] {
             assert!(l.contains(&want), "missing {want:?} in\n{out}");
         }
+        assert!(
+            !out.contains("endpoint-5OJB2KTY") && !out.contains("reject-chain"),
+            "{out}"
+        );
     }
 
     /// svc5 of the golden test: LoadBalancer, Cluster policy, source ranges, ClientIP.
@@ -1106,13 +1325,18 @@ mod tests {
             "add element ip kube-proxy no-endpoint-services { 1.2.3.4 . tcp . 80 comment \"ns2/svc2:p80\" : drop }",
             "add element ip kube-proxy no-endpoint-services { 192.168.99.22 . tcp . 80 comment \"ns2/svc2:p80\" : drop }",
             "add element ip kube-proxy cluster-ips { 172.30.0.46 }",
-            "add element ip kube-proxy no-endpoint-services { 172.30.0.46 . tcp . 80 comment \"ns6/svc6:p80\" : goto reject-chain }",
+            // Upstream: `: goto reject-chain` in no-endpoint-services, and no chain of svc6. Here
+            // svc6 keeps its dispatch and service chain (so that endpoints coming back are map
+            // elements only); `reject-services` rejects it before anything else.
+            "add element ip kube-proxy reject-services { 172.30.0.46 . tcp . 80 comment \"ns6/svc6:p80\" }",
+            "add element ip kube-proxy service-ips { 172.30.0.46 . tcp . 80 : goto service-Y3O5BOQO-ns6/svc6/tcp/p80 }",
+            // svc2 has no local endpoint: its local chain finds no number in the map (no
+            // element of its block), the packet goes on unNATed and no-endpoint-services drops it.
+            "add rule ip kube-proxy external-42NFTM6N-ns2/svc2/tcp/p80 goto local-42NFTM6N-ns2/svc2/tcp/p80",
         ] {
             assert!(l.contains(&want), "missing {want:?} in\n{out}");
         }
-        // No chain of svc6 and no fallthrough to the (missing) local chain of svc2.
-        assert!(!out.contains("ns6/svc6/tcp"));
-        assert!(!out.contains("goto local-42NFTM6N"));
+        assert!(!out.contains("reject-chain"), "{out}");
     }
 
     #[test]

@@ -107,6 +107,17 @@ impl Ruleset {
                     return Err(ApplyError(format!("element of {set}: no such chain {target}")));
                 }
                 let s = self.set_mut(set)?;
+                if let ElemKey::Range(lo, hi) = element.key
+                    && let Some(other) = s
+                        .elements
+                        .keys()
+                        .find(|k| **k != element.key && matches!(k, ElemKey::Range(a, b) if *a <= hi && lo <= *b))
+                {
+                    return Err(ApplyError(format!(
+                        "interval {} of {set} overlaps {other}",
+                        element.key
+                    )));
+                }
                 match s.elements.get(&element.key) {
                     // `add` of an existing element with other data fails in the kernel.
                     Some(e) if e.value != element.value => {

@@ -25,7 +25,10 @@ use std::fmt::Write as _;
 use std::net::IpAddr;
 
 use super::ast::Verdict as NftVerdict;
-use super::ast::{AddrSpec, BaseHook, Dir, ElemKey, KeyType, Match, Rule, Statement, VmapKey, family_keyword};
+use super::ast::{
+    AddrSpec, BaseHook, Dir, ElemKey, ElemValue, KeyType, MapValue, Match, Rule, Statement, VmapKey, family_keyword,
+    numgen_text,
+};
 use super::names::TABLE;
 use super::ruleset::{Ruleset, Set};
 use crate::trace::walk::{self as shared, AfterHook, AfterStage, End, Forks, HookOrder, Work, nested, run_rules};
@@ -300,21 +303,15 @@ impl<'a> Tracer<'a> {
                     self.apply_verdict(place, v, s, stack, &mut next)?;
                 }
                 Statement::Vmap { key, map } => {
-                    let map = self.set(place, map, true)?;
-                    let elem_key = match (key, map.decl.key) {
-                        (VmapKey::DaddrProtoPort, KeyType::AddrProtoPort) => {
-                            ElemKey::AddrProtoPort(s.dst, s.protocol, s.dport)
-                        }
-                        (VmapKey::ProtoPort, KeyType::ProtoPort) => ElemKey::ProtoPort(s.protocol, s.dport),
-                        _ => {
-                            return Err(self.error(chain, Some(rule), "the map's key type does not fit the lookup"));
-                        }
+                    let map = self.set(place, map, Some(MapValue::Verdict))?;
+                    let Some(elem_key) = packet_key(*key, map.decl.key, &s) else {
+                        return Err(self.error(chain, Some(rule), "the map's key type does not fit the lookup"));
                     };
                     match map.elements.get(&elem_key) {
                         // No element: the lookup does not match, the next rule runs.
                         None => next.push(Work::At(i + 1, s)),
                         Some(element) => {
-                            let Some(v) = &element.value else {
+                            let Some(v) = element.value.as_ref().and_then(|v| v.verdict()) else {
                                 return Err(self.error(
                                     chain,
                                     Some(rule),
@@ -367,8 +364,12 @@ impl<'a> Tracer<'a> {
                     s.rules.push(r);
                     next.push(Work::Done(s, End::Accept));
                 }
+                Statement::DnatNumgenMap { modulus, offset, map } => {
+                    self.check_nat(place, "prerouting")?;
+                    self.dnat_numgen_map(place, (*modulus, *offset, map), s, &mut next)?;
+                }
                 Statement::UpdateSaddr(set) => {
-                    let decl = &self.set(place, set, false)?.decl;
+                    let decl = &self.set(place, set, None)?.decl;
                     if decl.timeout_seconds.is_none() || decl.key != KeyType::Addr {
                         return Err(self.error(chain, Some(rule), format!("@{set} is not a dynamic address set")));
                     }
@@ -428,21 +429,91 @@ impl<'a> Tracer<'a> {
         }
     }
 
-    /// A named set (`map == false`) or verdict map of the table.
-    fn set(&self, place: Place<'a>, name: &str, map: bool) -> Result<&'a Set, TraceError> {
+    /// A named set (`map == None`) or map of the table.
+    fn set(&self, place: Place<'a>, name: &str, map: Option<MapValue>) -> Result<&'a Set, TraceError> {
         let ruleset = self.ruleset;
+        let kind = |m: Option<MapValue>| match m {
+            None => "a set",
+            Some(MapValue::Verdict) => "a verdict map",
+            Some(MapValue::AddrPort(_)) => "a map of addresses and ports",
+        };
         match ruleset.sets.get(name) {
             Some(s) if s.decl.map == map => Ok(s),
-            Some(_) => Err(self.error(
+            Some(s) => Err(self.error(
                 place.chain,
                 Some(place.rule),
-                format!(
-                    "@{name} is {}",
-                    if map { "a set, not a map" } else { "a map, not a set" }
-                ),
+                format!("@{name} is {}, not {}", kind(s.decl.map), kind(map)),
             )),
             None => Err(self.error(place.chain, Some(place.rule), format!("no such set or map @{name}"))),
         }
+    }
+
+    /// `dnat to numgen random mod M offset O map @map`: one path per interval of the map
+    /// within `O .. O + M` (each endpoint's share of the random numbers), plus a path on which
+    /// the rule does not match if part of that range has no interval.
+    fn dnat_numgen_map(
+        &mut self,
+        place: Place<'a>,
+        (modulus, offset, map): (u32, u32, &str),
+        s: PathState<'a>,
+        next: &mut Vec<Work<PathState<'a>>>,
+    ) -> Result<(), TraceError> {
+        let Place {
+            chain, index: i, rule, ..
+        } = place;
+        let set = self.set(place, map, Some(MapValue::AddrPort(s.protocol)))?;
+        if !matches!(set.decl.key, KeyType::Numgen(_)) {
+            return Err(self.error(chain, Some(rule), format!("@{map} is not keyed by numgen")));
+        }
+        let (lo, hi) = (u64::from(offset), u64::from(offset) + u64::from(modulus) - 1);
+        let mut hits = Vec::new();
+        let mut covered = 0u64;
+        for element in set.elements.values() {
+            let ElemKey::Range(a, b) = element.key else {
+                return Err(self.error(chain, Some(rule), format!("@{map} holds a non-interval key")));
+            };
+            let (a, b) = (u64::from(a).max(lo), u64::from(b).min(hi));
+            if a > b {
+                continue;
+            }
+            let Some(ElemValue::AddrPort(to)) = element.value else {
+                return Err(self.error(
+                    chain,
+                    Some(rule),
+                    format!("element {} of @{map} has no address", element.key),
+                ));
+            };
+            covered += b - a + 1;
+            hits.push((a, b, to));
+        }
+        let misses = covered < u64::from(modulus);
+        let branches = hits.len() + usize::from(misses);
+        if branches > 1 {
+            self.forks.add(branches - 1)?;
+        }
+        let r = RuleRef { chain, index: i, rule };
+        let choice = |s: &mut PathState<'a>, what: String| {
+            if branches > 1 {
+                s.choices.push(format!(
+                    "{} = {what}: {}",
+                    numgen_text(modulus, offset),
+                    self.where_(place)
+                ));
+            }
+        };
+        for (a, b, to) in hits {
+            let mut b_state = s.clone();
+            choice(&mut b_state, format!("{a}-{b} (dnat to {to})"));
+            b_state.dnat_to(to);
+            b_state.rules.push(r);
+            next.push(Work::Done(b_state, End::Accept));
+        }
+        if misses {
+            let mut m = s;
+            choice(&mut m, "no interval (no match)".to_string());
+            next.push(Work::At(i + 1, m));
+        }
+        Ok(())
     }
 
     /// `dnat` is only valid in nat chains of prerouting/output, `masquerade` in nat chains of
@@ -495,7 +566,7 @@ impl<'a> Tracer<'a> {
             else {
                 continue;
             };
-            let set = self.set(place, name, false)?;
+            let set = self.set(place, name, None)?;
             let name = set.decl.name.as_str();
             let mut forked = Vec::new();
             for (s, ok) in branches {
@@ -546,7 +617,7 @@ impl<'a> Tracer<'a> {
                     AddrSpec::Net(net) => net.contains(&ip),
                     AddrSpec::AnonSet { items, .. } => items.iter().any(|n| n.contains(&ip)),
                     AddrSpec::Set(name) => {
-                        let set = self.set(place, name, false)?;
+                        let set = self.set(place, name, None)?;
                         if set.decl.key != KeyType::Addr {
                             return Err(self.error(
                                 place.chain,
@@ -580,8 +651,32 @@ impl<'a> Tracer<'a> {
             }),
             Match::L4proto(p) => st.protocol == *p,
             Match::MarkAndZero(mark) => st.mark & mark == 0,
+            Match::CtStatusDnat => st.dnat.is_some(),
+            Match::InSet { key, set } => {
+                let set = self.set(place, set, None)?;
+                let Some(k) = packet_key(*key, set.decl.key, st) else {
+                    return Err(self.error(
+                        place.chain,
+                        Some(place.rule),
+                        format!("@{} has a key type that does not fit the lookup", set.decl.name),
+                    ));
+                };
+                set.elements.contains_key(&k)
+            }
         }))
     }
+}
+
+/// The key a lookup of `key` builds from the packet, when the set's key type fits it.
+fn packet_key(key: VmapKey, set_key: KeyType, s: &PathState<'_>) -> Option<ElemKey> {
+    if key.key_type() != set_key {
+        return None;
+    }
+    Some(match key {
+        VmapKey::DaddrProtoPort => ElemKey::AddrProtoPort(s.dst, s.protocol, s.dport),
+        VmapKey::ProtoPort => ElemKey::ProtoPort(s.protocol, s.dport),
+        VmapKey::SaddrDaddr => ElemKey::AddrPair(s.src, s.dst),
+    })
 }
 
 #[cfg(test)]
@@ -707,8 +802,11 @@ mod tests {
         for (n, p) in t.paths.iter().enumerate() {
             assert_eq!(p.hooks, strs(&FORWARDED));
             assert_eq!(p.choices.len(), 1);
+            // Each endpoint's third of the port's block of numbers.
+            let ep = format!("10.180.0.{}:80", n + 1);
             assert!(
-                p.choices[0].starts_with(&format!("numgen random mod 3 = {n} (goto endpoint-")),
+                p.choices[0].starts_with("numgen random mod 55440 offset ")
+                    && p.choices[0].contains(&format!("(dnat to {ep})")),
                 "{p:?}"
             );
         }
@@ -719,7 +817,7 @@ mod tests {
         assert!(
             rules
                 .iter()
-                .any(|r| r.ends_with("meta l4proto tcp dnat to 10.180.0.1:80"))
+                .any(|r| r.contains("map @service-endpoints-tcp-") && r.contains("meta l4proto tcp dnat to numgen"))
         );
         // The masquerade check returned: the mark is clear.
         assert_eq!(rules.last().unwrap(), "masquerading: mark and 0x004000 == 0 return");
@@ -765,14 +863,14 @@ mod tests {
     }
 
     #[test]
-    fn no_endpoints_rejects_through_the_reject_chain() {
+    fn no_endpoints_rejects_through_the_reject_set() {
         let t = run(&pkt("10.1.2.3", "172.30.0.42", 80, Some("cni0")));
         assert_eq!(t.verdict, Verdict::Reject);
         let rules = path_rules(&t, 0);
-        assert!(rules.contains(
-            &"service-endpoints-check: ip daddr . meta l4proto . th dport vmap @no-endpoint-services".to_string()
-        ));
-        assert_eq!(rules.last().unwrap(), "reject-chain: reject");
+        assert_eq!(
+            rules.last().unwrap(),
+            "service-endpoints-check: ip daddr . meta l4proto . th dport @reject-services reject"
+        );
     }
 
     #[test]
@@ -1076,7 +1174,7 @@ mod tests {
                 decl: SetDecl {
                     name: "m".into(),
                     key: KeyType::AddrProtoPort,
-                    map: true,
+                    map: Some(super::super::ast::MapValue::Verdict),
                     timeout_seconds: None,
                     comment: None,
                 },
@@ -1084,7 +1182,7 @@ mod tests {
                     ElemKey::AddrProtoPort("1.2.3.4".parse().unwrap(), Protocol::Tcp, 80),
                     Element {
                         key: ElemKey::AddrProtoPort("1.2.3.4".parse().unwrap(), Protocol::Tcp, 80),
-                        value: Some(NftVerdict::Accept),
+                        value: Some(NftVerdict::Accept.into()),
                         comment: None,
                     },
                 )]

@@ -424,7 +424,7 @@ async fn watch_until<K: Kind>(
     while let Some(event) = stream.next().await {
         match event {
             Ok(event) => {
-                status.ok(&name);
+                status.ok(name);
                 let update = match store.lock() {
                     Ok(mut w) => {
                         let was_synced = w.synced();
@@ -443,7 +443,7 @@ async fn watch_until<K: Kind>(
             Err(e) if stop_if_not_served && not_served(&e) => return WatchEnd::NotServed,
             // The backoff spaces retries; the store (and so the rules) stay as they are.
             Err(e) => {
-                status.failed(&name, &e.to_string());
+                status.failed(name, &e.to_string());
                 warn!(kind = %name, error = %e, "Watch failed; retrying");
             }
         }

@@ -243,9 +243,10 @@ pub(crate) fn report<R: Clone + Eq + Hash, M>(
     from_node: bool,
     mut traced: impl FnMut(&R, usize) -> TracedRule,
 ) -> Trace {
-    // Identical rule sequences are the same path reached twice; keep the first.
+    // Identical rule sequences to the same destination are the same path reached twice; keep
+    // the first. (One rule can lead to several destinations: nftables' `dnat to numgen … map`.)
     let mut seen = HashSet::new();
-    finished.retain(|p| seen.insert(p.rules.clone()));
+    finished.retain(|p| seen.insert((p.rules.clone(), p.dnat)));
 
     let mut rules = Vec::new();
     let mut paths = Vec::new();

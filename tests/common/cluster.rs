@@ -30,6 +30,25 @@ pub const BIN: &str = env!("CARGO_BIN_EXE_kube-proxy");
 /// The daemon's sync period in these beds (short, so that repairs are quick).
 pub const SYNC_PERIOD_S: u64 = 2;
 
+/// Whether the rules name endpoint `ep`: `IP:PORT` in a DNAT (iptables, and nftables endpoint
+/// chains), `IP . PORT` in an element of nftables' `service-endpoints-…` maps.
+pub fn names_endpoint(rules: &str, ep: std::net::SocketAddr) -> bool {
+    rules.contains(&ep.to_string()) || rules.contains(&format!("{} . {}", ep.ip(), ep.port()))
+}
+
+/// Stops the running daemon in `daemon` with `signal` and waits (at most 5 s) for it to exit;
+/// returns when it was signalled. (A field, not the cluster: its test bed stays borrowed by
+/// the load's threads.)
+pub fn stop_daemon(daemon: &mut Option<ChildGuard>, signal: nix::sys::signal::Signal) -> std::time::Instant {
+    let mut old = daemon.take().expect("daemon running");
+    let at = std::time::Instant::now();
+    old.signal(signal).unwrap_or_else(|e| panic!("{signal}: {e}"));
+    old.wait_timeout(Duration::from_secs(5))
+        .expect("wait")
+        .expect("daemon exited");
+    at
+}
+
 pub struct Cluster {
     pub bed: Testbed,
     pub dir: ManifestDir,

@@ -97,7 +97,7 @@ pub fn set(name: &str, key: KeyType, map: bool, timeout: Option<u32>, comment: O
     Op::AddSet(SetDecl {
         name: name.into(),
         key,
-        map,
+        map: map.then_some(MapValue::Verdict),
         timeout_seconds: timeout,
         comment: comment.map(str::to_string),
     })
@@ -108,7 +108,7 @@ pub fn elem(set: &str, key: ElemKey, value: Option<Verdict>, comment: Option<&st
         set: set.into(),
         element: Element {
             key,
-            value,
+            value: value.map(Into::into),
             comment: comment.map(str::to_string),
         },
     }

@@ -3,6 +3,10 @@
 //! model ([`Ruleset`]) that the renderer's transactions produce, so that `explain` compares
 //! and `trace --live` walks the kernel's table with the same code as a render. Pure.
 //!
+//! Sets are typed by the kernel's key type and length and nft's userdata (a `typeof numgen`
+//! key's modulus, a DNAT map's protocol); the intervals of a numgen map (a start with its
+//! value, an end flagged one past its last number) become `first-last` elements.
+//!
 //! Rules are recognised by the expression sequences `expr` writes for each [`Match`] and
 //! [`Statement`]; a rule of any other shape (someone else's, or an edit by hand) is not
 //! guessed at: it is reported with its expression names. What the kernel does not keep (the
@@ -15,12 +19,14 @@ use std::net::{IpAddr, SocketAddr};
 
 use ipnet::IpNet;
 
+use super::encode::{PROTO_DESC_SCTP, PROTO_DESC_TCP, PROTO_DESC_UDP, TYPE_BITS, TYPE_INTEGER};
 use super::expr::*;
 use super::wire::*;
 use crate::model::{IpFamily, Protocol};
 use crate::netlink::{Attrs, NLMSG_HDRLEN};
 use crate::nftables::ast::{
-    AddrSpec, BaseHook, ChainDecl, Dir, ElemKey, Element, KeyType, Match, Rule, SetDecl, Statement, Verdict, VmapKey,
+    AddrSpec, BaseHook, ChainDecl, Dir, ElemKey, ElemValue, Element, KeyType, MapValue, Match, Rule, SetDecl,
+    Statement, Verdict, VmapKey,
 };
 use crate::nftables::ruleset::{Chain, Ruleset, Set};
 
@@ -47,6 +53,8 @@ pub struct SetMsg {
 pub struct ElemMsg {
     pub key: Vec<u8>,
     pub verdict: Option<Verdict>,
+    /// The data of a map of values (not verdicts): `address . port` of a DNAT.
+    pub value: Option<Vec<u8>>,
     pub interval_end: bool,
     pub comment: Option<String>,
 }
@@ -72,18 +80,49 @@ fn string(a: &Attrs<'_>, ty: u16) -> Option<String> {
     a.str(ty, "string").ok().flatten().map(str::to_string)
 }
 
-/// The comment in libnftnl userdata TLVs of type `ty`.
-fn udata_comment(data: Option<&[u8]>, ty: u8) -> Option<String> {
+/// The value of type `ty` in libnftnl userdata TLVs.
+fn udata_get(data: Option<&[u8]>, ty: u8) -> Option<&[u8]> {
     let mut rest = data?;
     while let [t, len, tail @ ..] = rest {
         let len = usize::from(*len);
         let value = tail.get(..len)?;
         if *t == ty {
-            return Some(String::from_utf8_lossy(value.split(|c| *c == 0).next().unwrap_or_default()).into_owned());
+            return Some(value);
         }
         rest = &tail[len..];
     }
     None
+}
+
+/// A u32 in userdata (host byte order, as `nftnl_udata_put_u32` stores it).
+fn udata_u32(data: Option<&[u8]>, ty: u8) -> Option<u32> {
+    Some(u32::from_ne_bytes(udata_get(data, ty)?.try_into().ok()?))
+}
+
+/// The comment in libnftnl userdata TLVs of type `ty`.
+fn udata_comment(data: Option<&[u8]>, ty: u8) -> Option<String> {
+    let value = udata_get(data, ty)?;
+    Some(String::from_utf8_lossy(value.split(|c| *c == 0).next().unwrap_or_default()).into_owned())
+}
+
+/// The modulus of a `typeof numgen random mod M` key, from the set's userdata.
+fn numgen_modulus(udata: Option<&[u8]>) -> Option<u32> {
+    let key_typeof = udata_get(udata, UDATA_SET_KEY_TYPEOF)?;
+    let numgen = udata_get(Some(key_typeof), UDATA_SET_TYPEOF_DATA)?;
+    udata_u32(Some(numgen), 1)
+}
+
+/// The protocol of a `typeof … : ip daddr . tcp dport` map's data, from the set's userdata.
+fn data_port_protocol(udata: Option<&[u8]>) -> Option<Protocol> {
+    let data_typeof = udata_get(udata, UDATA_SET_DATA_TYPEOF)?;
+    let fields = udata_get(Some(data_typeof), UDATA_SET_TYPEOF_DATA)?;
+    let port = udata_get(Some(udata_get(Some(fields), 1)?), UDATA_SET_TYPEOF_DATA)?;
+    match udata_u32(Some(port), 0)? {
+        PROTO_DESC_TCP => Some(Protocol::Tcp),
+        PROTO_DESC_UDP => Some(Protocol::Udp),
+        PROTO_DESC_SCTP => Some(Protocol::Sctp),
+        _ => None,
+    }
 }
 
 fn hook_name(n: u32) -> Option<&'static str> {
@@ -139,12 +178,24 @@ pub fn set(msg: &[u8], family: IpFamily) -> Option<SetMsg> {
     let a = Attrs::parse(payload_of(msg)?).ok()?;
     let flags = be32(&a, NFTA_SET_FLAGS).unwrap_or(0);
     let key_len = be32(&a, NFTA_SET_KEY_LEN)?;
+    let key_type = be32(&a, NFTA_SET_KEY_TYPE).unwrap_or(0);
     let addr_len = if family == IpFamily::V4 { 4 } else { 16 };
+    let udata = a.get(NFTA_SET_USERDATA);
+    // An address pair's type is two address types concatenated; a numgen key is an integer.
+    let pair = key_type >> TYPE_BITS != 0 && key_type >> TYPE_BITS == key_type & ((1 << TYPE_BITS) - 1);
     let key = match key_len {
+        4 if key_type == TYPE_INTEGER => KeyType::Numgen(numgen_modulus(udata).unwrap_or(0)),
+        l if l == 2 * addr_len && pair => KeyType::AddrPair,
         l if l == addr_len => KeyType::Addr,
         l if l == addr_len + 8 => KeyType::AddrProtoPort,
         8 => KeyType::ProtoPort,
         _ => KeyType::Addr,
+    };
+    let map = match be32(&a, NFTA_SET_DATA_TYPE) {
+        _ if flags & NFT_SET_MAP == 0 => None,
+        Some(NFT_DATA_VERDICT) => Some(MapValue::Verdict),
+        // Only the numgen maps hold addresses and ports (typeof, with the protocol's port).
+        _ => Some(MapValue::AddrPort(data_port_protocol(udata).unwrap_or(Protocol::Tcp))),
     };
     let timeout = a
         .u64(NFTA_SET_TIMEOUT, "timeout")
@@ -156,7 +207,7 @@ pub fn set(msg: &[u8], family: IpFamily) -> Option<SetMsg> {
         decl: SetDecl {
             name: string(&a, NFTA_SET_NAME)?,
             key,
-            map: flags & NFT_SET_MAP != 0,
+            map,
             timeout_seconds: timeout.filter(|_| flags & NFT_SET_TIMEOUT != 0),
             comment: udata_comment(a.get(NFTA_SET_USERDATA), UDATA_SET_COMMENT),
         },
@@ -191,10 +242,13 @@ pub fn elements(msg: &[u8]) -> Option<(String, Vec<ElemMsg>)> {
     for (_, elem) in crate::netlink::attributes_of(list)? {
         let e = Attrs::parse(elem).ok()?;
         let key = e.nested(NFTA_SET_ELEM_KEY).ok()??.get(NFTA_DATA_VALUE)?.to_vec();
-        let verdict = e.nested(NFTA_SET_ELEM_DATA).ok().flatten().and_then(|d| verdict_of(&d));
+        let data = e.nested(NFTA_SET_ELEM_DATA).ok().flatten();
+        let verdict = data.as_ref().and_then(verdict_of);
+        let value = data.as_ref().and_then(|d| d.get(NFTA_DATA_VALUE)).map(<[u8]>::to_vec);
         out.push(ElemMsg {
             key,
             verdict,
+            value,
             interval_end: be32(&e, NFTA_SET_ELEM_FLAGS).unwrap_or(0) & NFT_SET_ELEM_INTERVAL_END != 0,
             comment: udata_comment(e.get(NFTA_SET_ELEM_USERDATA), UDATA_SET_ELEM_COMMENT),
         });
@@ -237,7 +291,60 @@ pub fn elem_key(key: KeyType, family: IpFamily, b: &[u8]) -> Option<ElemKey> {
             let (p, port) = proto_port(0)?;
             ElemKey::ProtoPort(p, port)
         }
+        KeyType::AddrPair => ElemKey::AddrPair(ip_of(b.get(..addr_len)?)?, ip_of(b.get(addr_len..2 * addr_len)?)?),
+        // One number (an interval's ends are paired by `ranges`).
+        KeyType::Numgen(_) => {
+            let n = u32::from_be_bytes(b.get(..4)?.try_into().ok()?);
+            ElemKey::Range(n, n)
+        }
     })
+}
+
+/// The `address . port` value of a DNAT map element (the port in the next 32-bit slot).
+fn addr_port_of(family: IpFamily, b: &[u8]) -> Option<SocketAddr> {
+    let addr_len = if family == IpFamily::V4 { 4 } else { 16 };
+    let ip = ip_of(b.get(..addr_len)?)?;
+    let port = u16::from_be_bytes(b.get(addr_len..addr_len + 2)?.try_into().ok()?);
+    Some(SocketAddr::new(ip, port))
+}
+
+/// The elements of an interval map of numbers: each start (with its value) paired with the
+/// end element after it (flagged, one past the last number); a start without one reaches the
+/// top. An end at the same number as the next start comes first (the previous interval's).
+fn ranges(family: IpFamily, elems: Vec<ElemMsg>) -> Vec<Element> {
+    let number = |e: &ElemMsg| Some(u32::from_be_bytes(e.key.get(..4)?.try_into().ok()?));
+    let mut points: Vec<(u32, bool, ElemMsg)> = elems
+        .into_iter()
+        .filter_map(|e| Some((number(&e)?, !e.interval_end, e)))
+        .collect();
+    points.sort_by_key(|(n, start, _)| (*n, *start));
+    let mut out = Vec::new();
+    let mut it = points.into_iter().peekable();
+    while let Some((lo, start, e)) = it.next() {
+        if !start {
+            continue;
+        }
+        let hi = match it.peek() {
+            Some((end, false, _)) => end.saturating_sub(1),
+            Some((next, true, _)) => next.saturating_sub(1),
+            None => u32::MAX,
+        };
+        out.push(Element {
+            key: ElemKey::Range(lo, hi),
+            value: elem_value(family, &e),
+            comment: e.comment,
+        });
+    }
+    out
+}
+
+/// A map element's value: its verdict, or the `address . port` it holds.
+fn elem_value(family: IpFamily, e: &ElemMsg) -> Option<ElemValue> {
+    match (&e.verdict, &e.value) {
+        (Some(v), _) => Some(ElemValue::Verdict(v.clone())),
+        (None, Some(b)) => addr_port_of(family, b).map(ElemValue::AddrPort),
+        (None, None) => None,
+    }
 }
 
 /// One expression of a rule, its attributes decoded as far as the shapes need.
@@ -265,6 +372,7 @@ enum Expr {
     Ct {
         key: u32,
     },
+    Byteorder,
     Lookup {
         set: String,
         dreg: Option<u32>,
@@ -279,7 +387,10 @@ enum Expr {
     Fib {
         flags: u32,
     },
-    Numgen,
+    Numgen {
+        modulus: u32,
+        offset: u32,
+    },
     Masq,
     Nat {
         kind: u32,
@@ -347,7 +458,11 @@ fn expr(name: &str, a: &Attrs<'_>) -> Expr {
         "fib" => Expr::Fib {
             flags: u(NFTA_FIB_FLAGS).unwrap_or(0),
         },
-        "numgen" => Expr::Numgen,
+        "numgen" => Expr::Numgen {
+            modulus: u(NFTA_NG_MODULUS).unwrap_or(0),
+            offset: u(NFTA_NG_OFFSET).unwrap_or(0),
+        },
+        "byteorder" => Expr::Byteorder,
         "masq" => Expr::Masq,
         "nat" => Expr::Nat {
             kind: u(NFTA_NAT_TYPE).unwrap_or(u32::MAX),
@@ -371,7 +486,8 @@ fn expr_name(e: &Expr) -> &str {
         Expr::ImmVerdict(_) | Expr::ImmValue { .. } => "immediate",
         Expr::Reject => "reject",
         Expr::Fib { .. } => "fib",
-        Expr::Numgen => "numgen",
+        Expr::Numgen { .. } => "numgen",
+        Expr::Byteorder => "byteorder",
         Expr::Masq => "masq",
         Expr::Nat { .. } => "nat",
         Expr::Dynset { .. } => "dynset",
@@ -433,7 +549,7 @@ pub struct AnonSets {
 impl AnonSets {
     /// Records an anonymous set's elements.
     pub fn add(&mut self, family: IpFamily, s: &SetMsg, elems: &[ElemMsg]) {
-        if s.decl.map {
+        if s.decl.map.is_some() {
             let mut by_index: Vec<(u32, String)> = elems
                 .iter()
                 .filter_map(|e| {
@@ -551,6 +667,21 @@ type Step = (usize, Option<Match>, Option<Statement>);
 fn one(e: &[Expr], family: IpFamily, anon: &AnonSets) -> Result<Step, String> {
     let m = |n: usize, m: Match| Ok((n, Some(m), None));
     let s = |n: usize, s: Statement| Ok((n, None, Some(s)));
+    if let Some((n, key)) = key_load(e, family) {
+        match e.get(n) {
+            Some(Expr::Lookup {
+                set,
+                dreg: Some(REG_VERDICT),
+                ..
+            }) => return s(n + 1, Statement::Vmap { key, map: set.clone() }),
+            Some(Expr::Lookup {
+                set,
+                dreg: None,
+                inv: false,
+            }) => return m(n + 1, Match::InSet { key, set: set.clone() }),
+            _ => {}
+        }
+    }
     match e {
         [
             Expr::Ct { key: NFT_CT_STATE },
@@ -559,51 +690,11 @@ fn one(e: &[Expr], family: IpFamily, anon: &AnonSets) -> Result<Step, String> {
             ..,
         ] => m(3, Match::CtStateNew),
         [
-            Expr::Payload {
-                base: NFT_PAYLOAD_NETWORK_HEADER,
-                ..
-            },
-            Expr::Meta {
-                key: NFT_META_L4PROTO, ..
-            },
-            Expr::Payload {
-                base: NFT_PAYLOAD_TRANSPORT_HEADER,
-                ..
-            },
-            Expr::Lookup {
-                set,
-                dreg: Some(REG_VERDICT),
-                ..
-            },
+            Expr::Ct { key: NFT_CT_STATUS },
+            Expr::Bitwise { mask, .. },
+            Expr::Cmp { op: NFT_CMP_NEQ, .. },
             ..,
-        ] => s(
-            4,
-            Statement::Vmap {
-                key: VmapKey::DaddrProtoPort,
-                map: set.clone(),
-            },
-        ),
-        [
-            Expr::Meta {
-                key: NFT_META_L4PROTO, ..
-            },
-            Expr::Payload {
-                base: NFT_PAYLOAD_TRANSPORT_HEADER,
-                ..
-            },
-            Expr::Lookup {
-                set,
-                dreg: Some(REG_VERDICT),
-                ..
-            },
-            ..,
-        ] => s(
-            3,
-            Statement::Vmap {
-                key: VmapKey::ProtoPort,
-                map: set.clone(),
-            },
-        ),
+        ] if u32_ne(mask) == Ok(IPS_DST_NAT) => m(3, Match::CtStatusDnat),
         [
             Expr::Payload {
                 base: NFT_PAYLOAD_NETWORK_HEADER,
@@ -625,7 +716,23 @@ fn one(e: &[Expr], family: IpFamily, anon: &AnonSets) -> Result<Step, String> {
         [Expr::Reject, ..] => s(1, Statement::Verdict(Verdict::Reject)),
         [Expr::ImmVerdict(v), ..] => s(1, Statement::Verdict(v.clone())),
         [
-            Expr::Numgen,
+            Expr::Numgen { modulus, offset },
+            Expr::Byteorder,
+            Expr::Lookup {
+                set, dreg: Some(REG_1), ..
+            },
+            Expr::Nat { kind: NFT_NAT_DNAT },
+            ..,
+        ] => s(
+            4,
+            Statement::DnatNumgenMap {
+                modulus: *modulus,
+                offset: *offset,
+                map: set.clone(),
+            },
+        ),
+        [
+            Expr::Numgen { .. },
             Expr::Lookup {
                 set,
                 dreg: Some(REG_VERDICT),
@@ -659,6 +766,54 @@ fn one(e: &[Expr], family: IpFamily, anon: &AnonSets) -> Result<Step, String> {
         }
         [first, ..] => Err(format!("{} is not where kube-proxy writes it", expr_name(first))),
         [] => Err("empty".into()),
+    }
+}
+
+/// The lookup key loaded at the start of `e` (as `expr` loads each [`VmapKey`]), and how
+/// many expressions that took.
+fn key_load(e: &[Expr], family: IpFamily) -> Option<(usize, VmapKey)> {
+    let (saddr, _) = addr_field(family, Dir::Saddr);
+    let (daddr, _) = addr_field(family, Dir::Daddr);
+    match e {
+        [
+            Expr::Payload {
+                base: NFT_PAYLOAD_NETWORK_HEADER,
+                offset,
+                ..
+            },
+            Expr::Meta {
+                key: NFT_META_L4PROTO, ..
+            },
+            Expr::Payload {
+                base: NFT_PAYLOAD_TRANSPORT_HEADER,
+                ..
+            },
+            ..,
+        ] if *offset == daddr => Some((3, VmapKey::DaddrProtoPort)),
+        [
+            Expr::Meta {
+                key: NFT_META_L4PROTO, ..
+            },
+            Expr::Payload {
+                base: NFT_PAYLOAD_TRANSPORT_HEADER,
+                ..
+            },
+            ..,
+        ] => Some((2, VmapKey::ProtoPort)),
+        [
+            Expr::Payload {
+                base: NFT_PAYLOAD_NETWORK_HEADER,
+                offset: a,
+                ..
+            },
+            Expr::Payload {
+                base: NFT_PAYLOAD_NETWORK_HEADER,
+                offset: b,
+                ..
+            },
+            ..,
+        ] if (*a, *b) == (saddr, daddr) => Some((2, VmapKey::SaddrDaddr)),
+        _ => None,
     }
 }
 
@@ -842,16 +997,22 @@ pub fn table(family: IpFamily, messages: &[(u16, Vec<u8>)]) -> (Ruleset, Vec<Und
             decl: s.decl.clone(),
             elements: BTreeMap::new(),
         };
-        for e in list {
-            if let Some(key) = elem_key(s.decl.key, family, &e.key) {
-                set.elements.insert(
-                    key.clone(),
-                    Element {
-                        key,
-                        value: e.verdict,
-                        comment: e.comment,
-                    },
-                );
+        if s.decl.interval() {
+            set.elements
+                .extend(ranges(family, list).into_iter().map(|e| (e.key.clone(), e)));
+        } else {
+            for e in list {
+                if let Some(key) = elem_key(s.decl.key, family, &e.key) {
+                    let value = elem_value(family, &e);
+                    set.elements.insert(
+                        key.clone(),
+                        Element {
+                            key,
+                            value,
+                            comment: e.comment,
+                        },
+                    );
+                }
             }
         }
         r.sets.insert(s.decl.name.clone(), set);
@@ -931,6 +1092,48 @@ mod tests {
         };
         let e = rule_of(&msg, IpFamily::V4, &AnonSets::default()).expect_err("not ours");
         assert_eq!(e.exprs, "counter immediate");
+    }
+
+    #[test]
+    fn numgen_intervals_pair_each_start_with_its_end() {
+        let elem = |n: u32, end: bool, to: Option<&str>| ElemMsg {
+            key: n.to_be_bytes().to_vec(),
+            verdict: None,
+            value: to.map(|t| {
+                let sa: SocketAddr = t.parse().unwrap();
+                let mut v = crate::nftables::netlink::encode::key_bytes(&ElemKey::Addr(sa.ip()));
+                v.extend_from_slice(&sa.port().to_be_bytes());
+                v.extend_from_slice(&[0, 0]);
+                v
+            }),
+            interval_end: end,
+            comment: None,
+        };
+        // As the kernel dumps them (in no particular order): nft's end element at 0, two
+        // adjacent intervals (the first one's end at the second one's start), an open last one.
+        let got = ranges(
+            IpFamily::V4,
+            vec![
+                elem(200, false, Some("10.0.0.3:80")),
+                elem(10, true, None),
+                elem(10, false, Some("10.0.0.2:80")),
+                elem(0, true, None),
+                elem(0, false, Some("10.0.0.1:80")),
+                elem(20, true, None),
+            ],
+        );
+        let shown: Vec<String> = got
+            .iter()
+            .map(|e| format!("{} : {}", e.key, e.value.as_ref().unwrap()))
+            .collect();
+        assert_eq!(
+            shown,
+            vec![
+                "0-9 : 10.0.0.1 . 80",
+                "10-19 : 10.0.0.2 . 80",
+                &format!("200-{} : 10.0.0.3 . 80", u32::MAX)
+            ]
+        );
     }
 
     #[test]

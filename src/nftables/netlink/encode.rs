@@ -9,26 +9,36 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::expr::{self, AnonRef, IFNAMSIZ, RuleRefs, addr_bytes, proto_number};
 use super::wire::*;
-use crate::model::IpFamily;
+use crate::model::{IpFamily, Protocol};
 use crate::netlink::{MsgBuf, NLM_F_ACK, NLM_F_APPEND, NLM_F_CREATE, NLM_F_REQUEST};
 use crate::nftables::ast::{
-    AddrSpec, ChainDecl, ElemKey, Element, KeyType, Match, Op, Rule, SetDecl, Statement, Transaction, Verdict,
+    AddrSpec, ChainDecl, ElemKey, ElemValue, Element, KeyType, MapValue, Match, Op, Rule, SetDecl, Statement,
+    Transaction, Verdict,
 };
+use crate::nftables::backend::SetSignature;
 use crate::nftables::names::TABLE;
 
 /// nft's data type ids (`enum datatypes`), as sent in `NFTA_SET_KEY_TYPE`.
-const TYPE_INTEGER: u32 = 4;
-const TYPE_IPADDR: u32 = 7;
-const TYPE_IP6ADDR: u32 = 8;
+pub(super) const TYPE_INTEGER: u32 = 4;
+pub(super) const TYPE_IPADDR: u32 = 7;
+pub(super) const TYPE_IP6ADDR: u32 = 8;
 const TYPE_INET_PROTOCOL: u32 = 12;
 const TYPE_INET_SERVICE: u32 = 13;
 /// Bits per component in a concatenation's type id.
-const TYPE_BITS: u32 = 6;
+pub(super) const TYPE_BITS: u32 = 6;
 
 /// nft's expression type ids and payload template ids, as stored in a set's "typeof" userdata.
 const EXPR_VERDICT: u32 = 1;
 const EXPR_PAYLOAD: u32 = 7;
 const EXPR_CONCAT: u32 = 13;
+const EXPR_NUMGEN: u32 = 23;
+/// `NFT_NG_RANDOM`, as nft stores it in a numgen "typeof".
+const NG_RANDOM: u32 = 1;
+/// nft's protocol descriptions of TCP, UDP and SCTP, and their destination port field.
+pub(super) const PROTO_DESC_UDP: u32 = 6;
+pub(super) const PROTO_DESC_TCP: u32 = 8;
+pub(super) const PROTO_DESC_SCTP: u32 = 10;
+const L4HDR_DPORT: u32 = 2;
 const PROTO_DESC_IP: u32 = 12;
 const PROTO_DESC_IP6: u32 = 13;
 const IPHDR_SADDR: u32 = 11;
@@ -122,6 +132,11 @@ impl AnonSetNames {
     pub fn peek(&self) -> u64 {
         self.next
     }
+
+    /// Moves on past `n` (numbers another counter took).
+    pub fn advance_to(&mut self, n: u64) {
+        self.next = self.next.max(n);
+    }
 }
 
 /// The process-wide counter that [`encode`] (and a default [`super::NftSocket`]) draws from,
@@ -151,7 +166,12 @@ pub fn with_process_names<T>(f: impl FnOnce(&mut AnonSetNames) -> T) -> T {
 /// - consecutive `add element` commands on one set are sent in transaction order (nft sends
 ///   the first, then the others in reverse order);
 /// - after an IPv6 address, a concatenation continues in `NFT_REG_2` and `NFT_REG32_05` (2 and
-///   13), as nft does, rather than `NFT_REG32_04` (12, the same storage as `NFT_REG_2`).
+///   13), as nft does, rather than `NFT_REG32_04` (12, the same storage as `NFT_REG_2`);
+/// - an interval of a named interval map (`a-b`) is sent as its start and end elements only.
+///   nft 1.0.6 also sends an end element at 0 when the interval is the lowest of the set as
+///   nft's cache knows it, and, for a set created in the same batch, every element of the
+///   batch once more, merged, right after the set; neither changes what the kernel matches
+///   (a key below the lowest start finds no interval) or what `nft list` prints.
 ///
 /// An empty transaction gives just the batch framing. Inputs that nft would refuse to parse
 /// (see [`check`]) are encoded as given; the kernel may or may not refuse them.
@@ -162,44 +182,79 @@ pub fn encode(tx: &Transaction, first_seq: u32) -> EncodedBatch {
 /// [`encode`] with an explicit anonymous-set counter (deterministic, for tests and callers
 /// that manage names themselves).
 pub fn encode_with(tx: &Transaction, first_seq: u32, names: &mut AnonSetNames) -> EncodedBatch {
-    let mut e = Encoder {
-        b: MsgBuf::with_capacity(estimate_size(tx)),
-        family: tx.family,
-        nfproto: nfproto(tx.family),
-        seq: first_seq,
-        op: 0,
-        op_of_message: Vec::with_capacity(tx.ops.len() + tx.ops.len() / 4),
-        set_ids: HashMap::new(),
-        next_set_id: 1,
-        names,
-        last_msg: None,
-    };
-    let begin = e.b.begin_msg(
-        NFNL_MSG_BATCH_BEGIN,
-        NLM_F_REQUEST,
-        first_seq,
-        &nfgenmsg(NFPROTO_UNSPEC, NFNL_SUBSYS_NFTABLES),
-    );
-    e.b.end_msg(begin);
-    for (i, op) in tx.ops.iter().enumerate() {
-        e.op = i;
-        e.encode_op(op);
+    let mut batch = BatchEncoder::new(tx.family, first_seq, names, estimate_size(tx));
+    batch.push(tx);
+    batch.finish()
+}
+
+/// One batch built from several transactions, encoded as they come (as if their ops were one
+/// transaction's, numbered on across them), so that a caller need not hold them all.
+pub struct BatchEncoder<'a> {
+    e: Encoder<'a>,
+    first_seq: u32,
+    /// Ops encoded so far.
+    ops: usize,
+}
+
+impl<'a> BatchEncoder<'a> {
+    /// A batch whose `NFNL_MSG_BATCH_BEGIN` has sequence number `first_seq`; `capacity` bytes
+    /// reserved.
+    pub fn new(family: IpFamily, first_seq: u32, names: &'a mut AnonSetNames, capacity: usize) -> BatchEncoder<'a> {
+        let mut e = Encoder {
+            b: MsgBuf::with_capacity(capacity),
+            family,
+            nfproto: nfproto(family),
+            seq: first_seq,
+            op: 0,
+            op_of_message: Vec::new(),
+            set_ids: HashMap::new(),
+            next_set_id: 1,
+            names,
+            last_msg: None,
+        };
+        let begin = e.b.begin_msg(
+            NFNL_MSG_BATCH_BEGIN,
+            NLM_F_REQUEST,
+            first_seq,
+            &nfgenmsg(NFPROTO_UNSPEC, NFNL_SUBSYS_NFTABLES),
+        );
+        e.b.end_msg(begin);
+        BatchEncoder { e, first_seq, ops: 0 }
     }
-    if let Some(last) = e.last_msg {
-        e.b.add_msg_flags(last, NLM_F_ACK);
+
+    /// Appends the ops of `tx` (of the batch's family).
+    pub fn push(&mut self, tx: &Transaction) {
+        self.e.op_of_message.reserve(tx.ops.len() + tx.ops.len() / 4);
+        for op in &tx.ops {
+            self.e.op = self.ops;
+            self.e.encode_op(op);
+            self.ops += 1;
+        }
     }
-    e.seq = e.seq.wrapping_add(1);
-    let end = e.b.begin_msg(
-        NFNL_MSG_BATCH_END,
-        NLM_F_REQUEST,
-        e.seq,
-        &nfgenmsg(NFPROTO_UNSPEC, NFNL_SUBSYS_NFTABLES),
-    );
-    e.b.end_msg(end);
-    EncodedBatch {
-        bytes: e.b.buf,
-        first_seq,
-        op_of_message: e.op_of_message,
+
+    /// Ops encoded so far.
+    pub fn ops(&self) -> usize {
+        self.ops
+    }
+
+    pub fn finish(self) -> EncodedBatch {
+        let mut e = self.e;
+        if let Some(last) = e.last_msg {
+            e.b.add_msg_flags(last, NLM_F_ACK);
+        }
+        e.seq = e.seq.wrapping_add(1);
+        let end = e.b.begin_msg(
+            NFNL_MSG_BATCH_END,
+            NLM_F_REQUEST,
+            e.seq,
+            &nfgenmsg(NFPROTO_UNSPEC, NFNL_SUBSYS_NFTABLES),
+        );
+        e.b.end_msg(end);
+        EncodedBatch {
+            bytes: e.b.buf,
+            first_seq: self.first_seq,
+            op_of_message: e.op_of_message,
+        }
     }
 }
 
@@ -302,20 +357,26 @@ impl Encoder<'_> {
                 self.set_ids.remove(name);
             }
             Op::AddElement { set, element } => {
-                let elem = named_element(element);
+                let elems = named_element(element);
                 let id = self.set_ids.get(set).copied();
-                self.add_elements(set, id, std::slice::from_ref(&elem));
+                self.add_elements(set, id, &elems);
             }
             Op::DeleteElement { set, key } => {
                 let m = self.begin(NFT_MSG_DELSETELEM, 0);
                 self.b.put_str(NFTA_SET_ELEM_LIST_TABLE, TABLE);
                 self.b.put_str(NFTA_SET_ELEM_LIST_SET, set);
                 let list = self.b.nest_start(NFTA_SET_ELEM_LIST_ELEMENTS);
-                let e = self.b.nest_start(1);
-                let k = self.b.nest_start(NFTA_SET_ELEM_KEY);
-                self.b.put(NFTA_DATA_VALUE, &key_bytes(key));
-                self.b.nest_end(k);
-                self.b.nest_end(e);
+                // An interval is deleted by its start and end elements, as it was added.
+                for (i, e) in key_elements(key).iter().enumerate() {
+                    let n = self.b.nest_start(u16::try_from(i + 1).unwrap_or(u16::MAX));
+                    if e.interval_end {
+                        self.b.put_be32(NFTA_SET_ELEM_FLAGS, NFT_SET_ELEM_INTERVAL_END);
+                    }
+                    let k = self.b.nest_start(NFTA_SET_ELEM_KEY);
+                    self.b.put(NFTA_DATA_VALUE, &e.key);
+                    self.b.nest_end(k);
+                    self.b.nest_end(n);
+                }
                 self.b.nest_end(list);
                 self.b.end_msg(m);
             }
@@ -349,51 +410,19 @@ impl Encoder<'_> {
         let m = self.begin(NFT_MSG_NEWSET, NLM_F_CREATE);
         self.b.put_str(NFTA_SET_TABLE, TABLE);
         self.b.put_str(NFTA_SET_NAME, &decl.name);
-        let mut flags = 0;
-        if decl.map {
-            flags |= NFT_SET_MAP;
-        }
-        if decl.timeout_seconds.is_some() {
-            // `flags dynamic,timeout`
-            flags |= NFT_SET_TIMEOUT | NFT_SET_EVAL;
-        }
-        self.b.put_be32(NFTA_SET_FLAGS, flags);
-        let (key_type, key_len) = key_type_len(self.family, decl.key);
-        self.b.put_be32(NFTA_SET_KEY_TYPE, key_type);
-        self.b.put_be32(NFTA_SET_KEY_LEN, key_len);
-        if decl.map {
-            self.b.put_be32(NFTA_SET_DATA_TYPE, NFT_DATA_VERDICT);
-            self.b.put_be32(NFTA_SET_DATA_LEN, 0);
+        let sig = set_signature(self.family, decl);
+        self.b.put_be32(NFTA_SET_FLAGS, sig.flags);
+        self.b.put_be32(NFTA_SET_KEY_TYPE, sig.key_type);
+        self.b.put_be32(NFTA_SET_KEY_LEN, sig.key_len);
+        if let Some((data_type, data_len)) = sig.data {
+            self.b.put_be32(NFTA_SET_DATA_TYPE, data_type);
+            self.b.put_be32(NFTA_SET_DATA_LEN, data_len);
         }
         self.b.put_be32(NFTA_SET_ID, id);
-        if let Some(t) = decl.timeout_seconds {
-            self.b.put_be64(NFTA_SET_TIMEOUT, u64::from(t) * 1000);
+        if let Some(t) = sig.timeout_ms {
+            self.b.put_be64(NFTA_SET_TIMEOUT, t);
         }
-        // The hints nft keeps for printing: byte order of key (and data), the key's "typeof"
-        // for a concatenation, whether map data are intervals, then the comment.
-        let concat = decl.key != KeyType::Addr;
-        let mut u = Udata::new();
-        u.put_u32(
-            UDATA_SET_KEYBYTEORDER,
-            if concat {
-                BYTEORDER_INVALID
-            } else {
-                BYTEORDER_BIG_ENDIAN
-            },
-        );
-        if decl.map {
-            u.put_u32(UDATA_SET_DATABYTEORDER, BYTEORDER_INVALID);
-        }
-        if concat {
-            u.put_nested(UDATA_SET_KEY_TYPEOF, &typeof_concat());
-        }
-        if decl.map {
-            u.put_u32(UDATA_SET_DATA_INTERVAL, 0);
-        }
-        if let Some(c) = &decl.comment {
-            u.put_str(UDATA_SET_COMMENT, c);
-        }
-        self.b.put(NFTA_SET_USERDATA, &u.buf);
+        self.b.put(NFTA_SET_USERDATA, &set_udata(self.family, decl).buf);
         self.b.end_msg(m);
         self.set_ids.insert(decl.name.clone(), id);
     }
@@ -499,7 +528,7 @@ impl Encoder<'_> {
             .iter()
             .enumerate()
             .map(|(i, c)| Elem {
-                data: Some(Verdict::Goto(c.clone())),
+                data: Some(ElemValue::Verdict(Verdict::Goto(c.clone()))),
                 ..Elem::key(u32::try_from(i).unwrap_or(u32::MAX).to_ne_bytes().to_vec())
             })
             .collect();
@@ -554,7 +583,15 @@ impl Encoder<'_> {
         self.b.nest_end(k);
         if let Some(v) = &e.data {
             let d = self.b.nest_start(NFTA_SET_ELEM_DATA);
-            expr::verdict_data(&mut self.b, v);
+            match v {
+                ElemValue::Verdict(v) => expr::verdict_data(&mut self.b, v),
+                ElemValue::AddrPort(sa) => {
+                    let mut value = addr_bytes(&sa.ip());
+                    value.extend_from_slice(&sa.port().to_be_bytes());
+                    value.extend_from_slice(&[0, 0]);
+                    self.b.put(NFTA_DATA_VALUE, &value);
+                }
+            }
             self.b.nest_end(d);
         }
         let mut u = Udata::new();
@@ -575,7 +612,7 @@ impl Encoder<'_> {
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Elem {
     key: Vec<u8>,
-    data: Option<Verdict>,
+    data: Option<ElemValue>,
     comment: Option<String>,
     /// `NFT_SET_ELEM_INTERVAL_END`: this key ends the previous interval.
     interval_end: bool,
@@ -595,11 +632,30 @@ impl Elem {
     }
 }
 
-fn named_element(e: &Element) -> Elem {
-    Elem {
-        data: e.value.clone(),
-        comment: e.comment.clone(),
-        ..Elem::key(key_bytes(&e.key))
+/// The elements a named set's element is sent as: itself, or for an interval its start
+/// (with the value and comment) and its end.
+fn named_element(e: &Element) -> Vec<Elem> {
+    let mut elems = key_elements(&e.key);
+    if let Some(first) = elems.first_mut() {
+        first.data = e.value.clone();
+        first.comment = e.comment.clone();
+    }
+    elems
+}
+
+/// The start (and, for an interval, end) element of a key. An interval `a-b` is a start at
+/// `a` and an end flagged `INTERVAL_END` at `b + 1`, as nft sends it (without the end element
+/// at 0 that nft 1.0.6 adds when the lowest interval of a set goes in: see [`encode`]).
+fn key_elements(key: &ElemKey) -> Vec<Elem> {
+    match key {
+        ElemKey::Range(lo, hi) => vec![
+            Elem::key(lo.to_be_bytes().to_vec()),
+            Elem {
+                interval_end: true,
+                ..Elem::key(hi.saturating_add(1).to_be_bytes().to_vec())
+            },
+        ],
+        _ => vec![Elem::key(key_bytes(key))],
     }
 }
 
@@ -617,16 +673,59 @@ pub fn key_bytes(key: &ElemKey) -> Vec<u8> {
             v
         }
         ElemKey::ProtoPort(p, port) => proto_port(*p, *port).to_vec(),
+        ElemKey::AddrPair(a, b) => {
+            let mut v = addr_bytes(a);
+            v.extend(addr_bytes(b));
+            v
+        }
+        ElemKey::Range(lo, _) => lo.to_be_bytes().to_vec(),
+    }
+}
+
+/// What the kernel holds for a set declared as `decl`: flags, key and data types and lengths
+/// (as sent in `NFTA_SET_*`), timeout.
+pub fn set_signature(family: IpFamily, decl: &SetDecl) -> SetSignature {
+    let mut flags = 0;
+    if decl.interval() {
+        flags |= NFT_SET_INTERVAL;
+    }
+    if decl.map.is_some() {
+        flags |= NFT_SET_MAP;
+    }
+    if decl.timeout_seconds.is_some() {
+        // `flags dynamic,timeout`
+        flags |= NFT_SET_TIMEOUT | NFT_SET_EVAL;
+    }
+    let (key_type, key_len) = key_type_len(family, decl.key);
+    let data = match decl.map {
+        Some(MapValue::Verdict) => Some((NFT_DATA_VERDICT, 0)),
+        Some(MapValue::AddrPort(_)) => {
+            let (addr_type, addr_len) = addr_type_len(family);
+            Some(((addr_type << TYPE_BITS) | TYPE_INET_SERVICE, addr_len + 4))
+        }
+        None => None,
+    };
+    SetSignature {
+        flags,
+        key_type,
+        key_len,
+        data,
+        timeout_ms: decl.timeout_seconds.map(|t| u64::from(t) * 1000),
+    }
+}
+
+/// nft's type id and the size of an address of the family.
+fn addr_type_len(family: IpFamily) -> (u32, u32) {
+    match family {
+        IpFamily::V4 => (TYPE_IPADDR, 4),
+        IpFamily::V6 => (TYPE_IP6ADDR, 16),
     }
 }
 
 /// `NFTA_SET_KEY_TYPE` (nft's type id; a concatenation's is its components' ids, 6 bits
 /// each) and `NFTA_SET_KEY_LEN` (fields padded to 4 bytes).
 fn key_type_len(family: IpFamily, key: KeyType) -> (u32, u32) {
-    let (addr_type, addr_len) = match family {
-        IpFamily::V4 => (TYPE_IPADDR, 4),
-        IpFamily::V6 => (TYPE_IP6ADDR, 16),
-    };
+    let (addr_type, addr_len) = addr_type_len(family);
     let concat = |types: &[u32]| types.iter().fold(0, |acc, t| (acc << TYPE_BITS) | t);
     match key {
         KeyType::Addr => (addr_type, addr_len),
@@ -635,7 +734,79 @@ fn key_type_len(family: IpFamily, key: KeyType) -> (u32, u32) {
             addr_len + 8,
         ),
         KeyType::ProtoPort => (concat(&[TYPE_INET_PROTOCOL, TYPE_INET_SERVICE]), 8),
+        KeyType::AddrPair => (concat(&[addr_type, addr_type]), 2 * addr_len),
+        KeyType::Numgen(_) => (TYPE_INTEGER, 4),
     }
+}
+
+/// The hints nft keeps with a set for printing it: byte order of key (and data), the key's
+/// "typeof" (a concatenation's, or the numgen expression of a `typeof numgen` key), the data's
+/// "typeof" for a `typeof` map, whether map data are intervals, then the comment.
+fn set_udata(family: IpFamily, decl: &SetDecl) -> Udata {
+    let mut u = Udata::new();
+    let key_order = match decl.key {
+        KeyType::Addr => BYTEORDER_BIG_ENDIAN,
+        KeyType::Numgen(_) => BYTEORDER_HOST_ENDIAN,
+        KeyType::AddrProtoPort | KeyType::ProtoPort | KeyType::AddrPair => BYTEORDER_INVALID,
+    };
+    u.put_u32(UDATA_SET_KEYBYTEORDER, key_order);
+    if decl.map.is_some() {
+        u.put_u32(UDATA_SET_DATABYTEORDER, BYTEORDER_INVALID);
+    }
+    match decl.key {
+        KeyType::Addr => {}
+        KeyType::Numgen(modulus) => {
+            let mut ng = Udata::new();
+            ng.put_u32(0, NG_RANDOM).put_u32(1, modulus).put_u32(2, 0);
+            let mut t = Udata::new();
+            t.put_u32(UDATA_SET_TYPEOF_EXPR, EXPR_NUMGEN);
+            t.put_nested(UDATA_SET_TYPEOF_DATA, &ng);
+            u.put_nested(UDATA_SET_KEY_TYPEOF, &t);
+        }
+        _ => {
+            u.put_nested(UDATA_SET_KEY_TYPEOF, &typeof_concat());
+        }
+    }
+    if let Some(MapValue::AddrPort(protocol)) = decl.map {
+        // `typeof ... : ip daddr . tcp dport` (udp, sctp)
+        let (desc, daddr) = match family {
+            IpFamily::V4 => (PROTO_DESC_IP, IPHDR_DADDR),
+            IpFamily::V6 => (PROTO_DESC_IP6, IP6HDR_DADDR),
+        };
+        let mut fields = Udata::new();
+        fields
+            .put_nested(0, &typeof_payload(desc, daddr))
+            .put_nested(1, &typeof_payload(proto_desc(protocol), L4HDR_DPORT));
+        let mut t = Udata::new();
+        t.put_u32(UDATA_SET_TYPEOF_EXPR, EXPR_CONCAT);
+        t.put_nested(UDATA_SET_TYPEOF_DATA, &fields);
+        u.put_nested(UDATA_SET_DATA_TYPEOF, &t);
+    }
+    if decl.map.is_some() {
+        u.put_u32(UDATA_SET_DATA_INTERVAL, 0);
+    }
+    if let Some(c) = &decl.comment {
+        u.put_str(UDATA_SET_COMMENT, c);
+    }
+    u
+}
+
+fn proto_desc(protocol: Protocol) -> u32 {
+    match protocol {
+        Protocol::Tcp => PROTO_DESC_TCP,
+        Protocol::Udp => PROTO_DESC_UDP,
+        Protocol::Sctp => PROTO_DESC_SCTP,
+    }
+}
+
+/// The "typeof" of a payload field (`ip daddr`, `th dport`, ...).
+fn typeof_payload(desc: u32, field: u32) -> Udata {
+    let mut payload = Udata::new();
+    payload.put_u32(0, desc).put_u32(1, field);
+    let mut t = Udata::new();
+    t.put_u32(UDATA_SET_TYPEOF_EXPR, EXPR_PAYLOAD);
+    t.put_nested(UDATA_SET_TYPEOF_DATA, &payload);
+    t
 }
 
 /// The "typeof" nft stores for a set declared with a concatenated `type` (an empty concat).
@@ -655,12 +826,7 @@ fn typeof_addr(family: IpFamily, dir: crate::nftables::ast::Dir) -> Udata {
         (IpFamily::V6, Dir::Saddr) => (PROTO_DESC_IP6, IP6HDR_SADDR),
         (IpFamily::V6, Dir::Daddr) => (PROTO_DESC_IP6, IP6HDR_DADDR),
     };
-    let mut payload = Udata::new();
-    payload.put_u32(0, desc).put_u32(1, field);
-    let mut t = Udata::new();
-    t.put_u32(UDATA_SET_TYPEOF_EXPR, EXPR_PAYLOAD);
-    t.put_nested(UDATA_SET_TYPEOF_DATA, &payload);
-    t
+    typeof_payload(desc, field)
 }
 
 /// The elements of an interval set holding `items`, as nft 1.0.6 computes them for an
@@ -763,7 +929,8 @@ pub struct CheckError {
 /// Refuses what `nft -f` would refuse before talking to the kernel and what would otherwise be
 /// encoded into something with another meaning: addresses of the other family, empty
 /// anonymous sets, `numgen` over no chains, interface names longer than 15 bytes, comments
-/// longer than nft's 128 bytes, `reject` as a map value, unknown hooks.
+/// longer than nft's 128 bytes, `reject` as a map value, unknown hooks, a `dnat` to a map
+/// without a protocol match, intervals that are empty or reach 2^32 - 1.
 pub fn check(tx: &Transaction) -> Result<(), CheckError> {
     for (index, op) in tx.ops.iter().enumerate() {
         if let Err(reason) = check_op(tx.family, op) {
@@ -792,8 +959,9 @@ fn check_op(family: IpFamily, op: &Op) -> Result<(), String> {
         Some(c) if c.contains('\0') => Err("comment contains NUL".to_string()),
         _ => Ok(()),
     };
-    let value_ok = |v: &Option<Verdict>| match v {
-        Some(Verdict::Reject) => Err("reject is not a verdict-map value".to_string()),
+    let value_ok = |v: &Option<ElemValue>| match v {
+        Some(ElemValue::Verdict(Verdict::Reject)) => Err("reject is not a verdict-map value".to_string()),
+        Some(ElemValue::AddrPort(sa)) => ip_ok(&sa.ip()),
         _ => Ok(()),
     };
     match op {
@@ -839,6 +1007,16 @@ fn check_op(family: IpFamily, op: &Op) -> Result<(), String> {
                     return Err("numgen over no chains".to_string());
                 }
                 Statement::Dnat(sa) => ip_ok(&sa.ip())?,
+                Statement::DnatNumgenMap { modulus, offset, .. } => {
+                    if *modulus == 0 || offset.checked_add(*modulus).is_none() {
+                        return Err(format!("numgen random mod {modulus} offset {offset} overflows"));
+                    }
+                    // nft: "transport protocol mapping is only valid after transport
+                    // protocol match".
+                    if !rule.matches.iter().any(|m| matches!(m, Match::L4proto(_))) {
+                        return Err("a dnat to an address and port needs a meta l4proto match".to_string());
+                    }
+                }
                 _ => {}
             }
         }
@@ -856,7 +1034,11 @@ fn check_op(family: IpFamily, op: &Op) -> Result<(), String> {
 fn check_key(key: &ElemKey, ip_ok: &dyn Fn(&std::net::IpAddr) -> Result<(), String>) -> Result<(), String> {
     match key {
         ElemKey::Addr(ip) | ElemKey::AddrProtoPort(ip, _, _) => ip_ok(ip),
+        ElemKey::AddrPair(a, b) => ip_ok(a).and(ip_ok(b)),
         ElemKey::ProtoPort(..) => Ok(()),
+        // The end element is at `hi + 1`.
+        ElemKey::Range(lo, hi) if lo > hi || *hi == u32::MAX => Err(format!("invalid interval {lo}-{hi}")),
+        ElemKey::Range(..) => Ok(()),
     }
 }
 

@@ -15,6 +15,11 @@ use crate::model::{IpFamily, Protocol};
 use crate::netlink::MsgBuf;
 use crate::nftables::ast::{AddrSpec, Dir, Match, Rule, Statement, Verdict, VmapKey};
 
+/// Size of an address of the family, in bytes.
+fn addr_len(family: IpFamily) -> u32 {
+    addr_field(family, Dir::Daddr).1
+}
+
 // Payload bases.
 pub(super) const NFT_PAYLOAD_NETWORK_HEADER: u32 = 1;
 pub(super) const NFT_PAYLOAD_TRANSPORT_HEADER: u32 = 2;
@@ -47,8 +52,18 @@ pub(super) const NFT_META_L4PROTO: u32 = 16;
 pub(super) const NFTA_CT_DREG: u16 = 1;
 pub(super) const NFTA_CT_KEY: u16 = 2;
 pub(super) const NFT_CT_STATE: u32 = 0;
+pub(super) const NFT_CT_STATUS: u32 = 2;
 /// `NF_CT_STATE_BIT(IP_CT_NEW)`.
 pub(super) const CT_STATE_NEW_BIT: u32 = 1 << 3;
+/// `IPS_DST_NAT`: the connection's destination was translated.
+pub(super) const IPS_DST_NAT: u32 = 1 << 5;
+
+pub(super) const NFTA_BYTEORDER_SREG: u16 = 1;
+pub(super) const NFTA_BYTEORDER_DREG: u16 = 2;
+pub(super) const NFTA_BYTEORDER_OP: u16 = 3;
+pub(super) const NFTA_BYTEORDER_LEN: u16 = 4;
+pub(super) const NFTA_BYTEORDER_SIZE: u16 = 5;
+pub(super) const NFT_BYTEORDER_HTON: u32 = 1;
 
 pub(super) const NFTA_LOOKUP_SET: u16 = 1;
 pub(super) const NFTA_LOOKUP_SREG: u16 = 2;
@@ -163,76 +178,105 @@ fn reg_for_slot(slot: u32) -> u32 {
 
 /// Encodes the rule's expressions (the contents of `NFTA_RULE_EXPRESSIONS`).
 pub fn rule_exprs(b: &mut MsgBuf, family: IpFamily, rule: &Rule, refs: &RuleRefs<'_>) {
+    // `encode` created one anonymous set per anonymous-set match and numgen vmap, in order.
     let mut anon = refs.anon.iter();
     for m in &rule.matches {
-        match m {
-            Match::CtStateNew => {
-                expr(b, "ct", |b| {
-                    b.put_be32(NFTA_CT_KEY, NFT_CT_STATE);
-                    b.put_be32(NFTA_CT_DREG, REG_1);
-                });
-                // ct state is a bitmask in host byte order: nft tests the bit and compares
-                // the result with zero.
-                bitwise(b, 4, &CT_STATE_NEW_BIT.to_ne_bytes(), &[0; 4], false);
-                cmp(b, NFT_CMP_NEQ, &[0; 4]);
-            }
-            Match::Addr { dir, negate, spec } => {
-                let (offset, len) = addr_field(family, *dir);
-                match spec {
-                    AddrSpec::Net(net) => prefix_match(b, offset, len, *negate, net),
-                    AddrSpec::AnonSet { items, .. } if items.len() == 1 => {
-                        prefix_match(b, offset, len, *negate, &items[0])
-                    }
-                    AddrSpec::Set(name) => {
-                        payload(b, REG_1, NFT_PAYLOAD_NETWORK_HEADER, offset, len);
-                        lookup(b, None, name, (refs.set_id)(name), *negate);
-                    }
-                    AddrSpec::AnonSet { .. } => {
-                        payload(b, REG_1, NFT_PAYLOAD_NETWORK_HEADER, offset, len);
-                        // `encode` created one anonymous set per such match, in this order.
-                        if let Some(a) = anon.next() {
-                            lookup(b, None, &a.name, Some(a.id), *negate);
-                        }
+        match_exprs(b, family, m, refs, &mut anon);
+    }
+    statement_exprs(b, family, &rule.statement, refs, &mut anon);
+}
+
+/// The expressions of one match.
+fn match_exprs<'r>(
+    b: &mut MsgBuf,
+    family: IpFamily,
+    m: &Match,
+    refs: &RuleRefs<'_>,
+    anon: &mut impl Iterator<Item = &'r AnonRef>,
+) {
+    match m {
+        // ct state and ct status are bitmasks in host byte order: nft tests the bit and
+        // compares the result with zero.
+        Match::CtStateNew => ct_bit(b, NFT_CT_STATE, CT_STATE_NEW_BIT),
+        Match::Addr { dir, negate, spec } => {
+            let (offset, len) = addr_field(family, *dir);
+            match spec {
+                AddrSpec::Net(net) => prefix_match(b, offset, len, *negate, net),
+                AddrSpec::AnonSet { items, .. } if items.len() == 1 => prefix_match(b, offset, len, *negate, &items[0]),
+                AddrSpec::Set(name) => {
+                    payload(b, REG_1, NFT_PAYLOAD_NETWORK_HEADER, offset, len);
+                    lookup(b, None, name, (refs.set_id)(name), *negate);
+                }
+                AddrSpec::AnonSet { .. } => {
+                    payload(b, REG_1, NFT_PAYLOAD_NETWORK_HEADER, offset, len);
+                    // `encode` created one anonymous set per such match, in this order.
+                    if let Some(a) = anon.next() {
+                        lookup(b, None, &a.name, Some(a.id), *negate);
                     }
                 }
-            }
-            Match::Iifname { negate, pattern } => {
-                meta_load(b, NFT_META_IIFNAME, REG_1);
-                let op = if *negate { NFT_CMP_NEQ } else { NFT_CMP_EQ };
-                match pattern.strip_suffix('*') {
-                    // A wildcard compares only the prefix's bytes.
-                    Some(prefix) => cmp(b, op, prefix.as_bytes()),
-                    None => {
-                        let mut name = pattern.as_bytes().to_vec();
-                        name.resize(IFNAMSIZ.max(name.len()), 0);
-                        cmp(b, op, &name);
-                    }
-                }
-            }
-            Match::FibLocal(dir) => {
-                let flag = match dir {
-                    Dir::Saddr => NFTA_FIB_F_SADDR,
-                    Dir::Daddr => NFTA_FIB_F_DADDR,
-                };
-                expr(b, "fib", |b| {
-                    b.put_be32(NFTA_FIB_FLAGS, flag);
-                    b.put_be32(NFTA_FIB_RESULT, NFT_FIB_RESULT_ADDRTYPE);
-                    b.put_be32(NFTA_FIB_DREG, REG_1);
-                });
-                cmp(b, NFT_CMP_EQ, &RTN_LOCAL.to_ne_bytes());
-            }
-            Match::L4proto(p) => {
-                meta_load(b, NFT_META_L4PROTO, REG_1);
-                cmp(b, NFT_CMP_EQ, &[proto_number(*p)]);
-            }
-            Match::MarkAndZero(mark) => {
-                meta_load(b, NFT_META_MARK, REG_1);
-                bitwise(b, 4, &mark.to_ne_bytes(), &[0; 4], true);
-                cmp(b, NFT_CMP_EQ, &[0; 4]);
             }
         }
+        Match::Iifname { negate, pattern } => {
+            meta_load(b, NFT_META_IIFNAME, REG_1);
+            let op = if *negate { NFT_CMP_NEQ } else { NFT_CMP_EQ };
+            match pattern.strip_suffix('*') {
+                // A wildcard compares only the prefix's bytes.
+                Some(prefix) => cmp(b, op, prefix.as_bytes()),
+                None => {
+                    let mut name = pattern.as_bytes().to_vec();
+                    name.resize(IFNAMSIZ.max(name.len()), 0);
+                    cmp(b, op, &name);
+                }
+            }
+        }
+        Match::FibLocal(dir) => {
+            let flag = match dir {
+                Dir::Saddr => NFTA_FIB_F_SADDR,
+                Dir::Daddr => NFTA_FIB_F_DADDR,
+            };
+            expr(b, "fib", |b| {
+                b.put_be32(NFTA_FIB_FLAGS, flag);
+                b.put_be32(NFTA_FIB_RESULT, NFT_FIB_RESULT_ADDRTYPE);
+                b.put_be32(NFTA_FIB_DREG, REG_1);
+            });
+            cmp(b, NFT_CMP_EQ, &RTN_LOCAL.to_ne_bytes());
+        }
+        Match::L4proto(p) => {
+            meta_load(b, NFT_META_L4PROTO, REG_1);
+            cmp(b, NFT_CMP_EQ, &[proto_number(*p)]);
+        }
+        Match::MarkAndZero(mark) => {
+            meta_load(b, NFT_META_MARK, REG_1);
+            bitwise(b, 4, &mark.to_ne_bytes(), &[0; 4], true);
+            cmp(b, NFT_CMP_EQ, &[0; 4]);
+        }
+        Match::CtStatusDnat => ct_bit(b, NFT_CT_STATUS, IPS_DST_NAT),
+        Match::InSet { key, set } => {
+            load_key(b, family, *key);
+            lookup(b, None, set, (refs.set_id)(set), false);
+        }
     }
-    match &rule.statement {
+}
+
+/// `ct KEY & BIT != 0`.
+fn ct_bit(b: &mut MsgBuf, key: u32, bit: u32) {
+    expr(b, "ct", |b| {
+        b.put_be32(NFTA_CT_KEY, key);
+        b.put_be32(NFTA_CT_DREG, REG_1);
+    });
+    bitwise(b, 4, &bit.to_ne_bytes(), &[0; 4], false);
+    cmp(b, NFT_CMP_NEQ, &[0; 4]);
+}
+
+/// The expressions of a rule's statement.
+fn statement_exprs<'r>(
+    b: &mut MsgBuf,
+    family: IpFamily,
+    statement: &Statement,
+    refs: &RuleRefs<'_>,
+    anon: &mut impl Iterator<Item = &'r AnonRef>,
+) {
+    match statement {
         Statement::Verdict(Verdict::Reject) => {
             let code = match family {
                 IpFamily::V4 => ICMP_PORT_UNREACH,
@@ -252,30 +296,35 @@ pub fn rule_exprs(b: &mut MsgBuf, family: IpFamily, rule: &Rule, refs: &RuleRefs
             });
         }
         Statement::Vmap { key, map } => {
-            let (_, addr_len) = addr_field(family, Dir::Daddr);
-            match key {
-                VmapKey::DaddrProtoPort => {
-                    let (offset, len) = addr_field(family, Dir::Daddr);
-                    payload(b, REG_1, NFT_PAYLOAD_NETWORK_HEADER, offset, len);
-                    // Each concatenation field takes whole 32-bit slots.
-                    let proto_slot = addr_len / 4;
-                    meta_load(b, NFT_META_L4PROTO, reg_for_slot(proto_slot));
-                    payload(b, reg_for_slot(proto_slot + 1), NFT_PAYLOAD_TRANSPORT_HEADER, 2, 2);
-                }
-                VmapKey::ProtoPort => {
-                    meta_load(b, NFT_META_L4PROTO, REG_1);
-                    payload(b, reg_for_slot(1), NFT_PAYLOAD_TRANSPORT_HEADER, 2, 2);
-                }
-            }
+            load_key(b, family, *key);
             lookup(b, Some(REG_VERDICT), map, (refs.set_id)(map), false);
         }
-        Statement::NumgenVmap(chains) => {
-            expr(b, "numgen", |b| {
-                b.put_be32(NFTA_NG_DREG, REG_1);
-                b.put_be32(NFTA_NG_MODULUS, u32::try_from(chains.len()).unwrap_or(u32::MAX));
-                b.put_be32(NFTA_NG_TYPE, NFT_NG_RANDOM);
-                b.put_be32(NFTA_NG_OFFSET, 0);
+        Statement::DnatNumgenMap { modulus, offset, map } => {
+            numgen(b, *modulus, *offset);
+            // numgen writes host byte order; the map's keys are in network order.
+            expr(b, "byteorder", |b| {
+                b.put_be32(NFTA_BYTEORDER_SREG, REG_1);
+                b.put_be32(NFTA_BYTEORDER_DREG, REG_1);
+                b.put_be32(NFTA_BYTEORDER_OP, NFT_BYTEORDER_HTON);
+                b.put_be32(NFTA_BYTEORDER_LEN, 4);
+                b.put_be32(NFTA_BYTEORDER_SIZE, 4);
             });
+            // The map's value (address, then port in the next 32-bit slot) lands in the
+            // registers the nat expression reads.
+            lookup(b, Some(REG_1), map, (refs.set_id)(map), false);
+            let family_code = match family {
+                IpFamily::V4 => NFPROTO_IPV4,
+                IpFamily::V6 => NFPROTO_IPV6,
+            };
+            expr(b, "nat", |b| {
+                b.put_be32(NFTA_NAT_TYPE, NFT_NAT_DNAT);
+                b.put_be32(NFTA_NAT_FAMILY, u32::from(family_code));
+                b.put_be32(NFTA_NAT_REG_ADDR_MIN, REG_1);
+                b.put_be32(NFTA_NAT_REG_PROTO_MIN, reg_for_slot(addr_len(family) / 4));
+            });
+        }
+        Statement::NumgenVmap(chains) => {
+            numgen(b, u32::try_from(chains.len()).unwrap_or(u32::MAX), 0);
             if let Some(a) = anon.next() {
                 lookup(b, Some(REG_VERDICT), &a.name, Some(a.id), false);
             }
@@ -310,6 +359,45 @@ pub fn rule_exprs(b: &mut MsgBuf, family: IpFamily, rule: &Rule, refs: &RuleRefs
             });
         }
     }
+}
+
+/// `numgen random mod MODULUS offset OFFSET` into register 1.
+fn numgen(b: &mut MsgBuf, modulus: u32, offset: u32) {
+    expr(b, "numgen", |b| {
+        b.put_be32(NFTA_NG_DREG, REG_1);
+        b.put_be32(NFTA_NG_MODULUS, modulus);
+        b.put_be32(NFTA_NG_TYPE, NFT_NG_RANDOM);
+        b.put_be32(NFTA_NG_OFFSET, offset);
+    });
+}
+
+/// Loads a lookup key from the packet, each concatenation field in whole 32-bit slots from
+/// register 1 on.
+fn load_key(b: &mut MsgBuf, family: IpFamily, key: VmapKey) {
+    let alen = addr_len(family);
+    let (saddr_offset, _) = addr_field(family, Dir::Saddr);
+    let (daddr_offset, _) = addr_field(family, Dir::Daddr);
+    // The slot where `meta l4proto . th dport` starts.
+    let proto_slot = match key {
+        VmapKey::DaddrProtoPort => {
+            payload(b, REG_1, NFT_PAYLOAD_NETWORK_HEADER, daddr_offset, alen);
+            alen / 4
+        }
+        VmapKey::ProtoPort => 0,
+        VmapKey::SaddrDaddr => {
+            payload(b, REG_1, NFT_PAYLOAD_NETWORK_HEADER, saddr_offset, alen);
+            payload(
+                b,
+                reg_for_slot(alen / 4),
+                NFT_PAYLOAD_NETWORK_HEADER,
+                daddr_offset,
+                alen,
+            );
+            return;
+        }
+    };
+    meta_load(b, NFT_META_L4PROTO, reg_for_slot(proto_slot));
+    payload(b, reg_for_slot(proto_slot + 1), NFT_PAYLOAD_TRANSPORT_HEADER, 2, 2);
 }
 
 /// `NFTA_DATA_VERDICT` with its code and target chain. `reject` is not a verdict the kernel

@@ -117,7 +117,7 @@ fn map_and_element() {
             Op::AddSet(SetDecl {
                 name: "service-ips".into(),
                 key: KeyType::AddrProtoPort,
-                map: true,
+                map: Some(MapValue::Verdict),
                 timeout_seconds: None,
                 comment: Some("ClusterIP, ExternalIP and LoadBalancer IP traffic".into()),
             }),
@@ -125,7 +125,7 @@ fn map_and_element() {
                 set: "service-ips".into(),
                 element: Element {
                     key: ElemKey::AddrProtoPort("10.96.0.1".parse().expect("ip"), Protocol::Tcp, 80),
-                    value: Some(Verdict::Goto("c".into())),
+                    value: Some(Verdict::Goto("c".into()).into()),
                     comment: Some("ns/svc:http".into()),
                 },
             },
@@ -143,7 +143,7 @@ fn affinity_set_and_rules() {
             Op::AddSet(SetDecl {
                 name: "affinity-X".into(),
                 key: KeyType::Addr,
-                map: false,
+                map: None,
                 timeout_seconds: Some(10800),
                 comment: None,
             }),

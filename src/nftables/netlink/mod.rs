@@ -20,6 +20,7 @@
 pub mod decode;
 mod encode;
 mod expr;
+mod objects;
 mod socket;
 mod wire;
 
@@ -27,6 +28,7 @@ mod wire;
 mod fixtures;
 
 pub use encode::{
-    AnonSetNames, CheckError, EncodedBatch, MAX_COMMENT, check, encode, encode_with, key_bytes, with_process_names,
+    AnonSetNames, BatchEncoder, CheckError, EncodedBatch, MAX_COMMENT, check, encode, encode_with, key_bytes,
+    set_signature, with_process_names,
 };
 pub use socket::{NetlinkError, NftSocket, OpFailure, ReadScope, Reply, parse_replies};

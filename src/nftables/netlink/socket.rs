@@ -20,6 +20,7 @@ use super::wire::*;
 use crate::model::IpFamily;
 use crate::netlink::{self, MsgBuf, NLM_F_ACK, NLM_F_REQUEST, NLMSG_DONE, NLMSG_ERROR};
 use crate::nftables::ast::Transaction;
+use crate::nftables::backend::TableObjects;
 use crate::nftables::names::TABLE;
 use crate::nftables::ruleset::Ruleset;
 
@@ -207,10 +208,67 @@ impl NftSocket {
             Names::Own(names) => encode::encode_with(tx, first_seq, names),
         };
         self.seq = batch.end_seq().wrapping_add(1);
-        self.send_batch(tx, &batch)
+        let describe = |i: usize| tx.ops.get(i).map(|op| op_text(tx.family, op));
+        self.send_batch(tx.family, &batch, &describe)
     }
 
-    fn send_batch(&mut self, tx: &Transaction, batch: &EncodedBatch) -> Result<(), NetlinkError> {
+    /// Applies the transactions `parts` yields as one batch, encoding each as it comes (so
+    /// that the caller never holds all of them): all of it, or (on error) none of it. A
+    /// refused op is named by its part and its index there, and its text when the part was
+    /// the first (later parts are gone by then).
+    pub fn apply_parts(
+        &mut self,
+        family: IpFamily,
+        parts: &mut dyn Iterator<Item = Transaction>,
+    ) -> Result<(), NetlinkError> {
+        let first_seq = self.seq;
+        // This batch's own counter, moved past what the process-wide one had handed out, and
+        // the other way round afterwards (anonymous sets only need names unique per table).
+        let mut names = match &self.names {
+            Names::Process => encode::with_process_names(|n| AnonSetNames::starting_at(n.peek())),
+            Names::Own(n) => n.clone(),
+        };
+        let mut starts: Vec<usize> = Vec::new();
+        let mut first: Option<Transaction> = None;
+        let mut enc = encode::BatchEncoder::new(family, first_seq, &mut names, 1 << 20);
+        for part in parts {
+            encode::check(&part).map_err(|mut e| {
+                e.text = format!("part {}, {}", starts.len(), e.text);
+                e.index += enc.ops();
+                e
+            })?;
+            starts.push(enc.ops());
+            enc.push(&part);
+            if first.is_none() {
+                first = Some(part);
+            }
+        }
+        let batch = enc.finish();
+        match &mut self.names {
+            Names::Process => encode::with_process_names(|n| n.advance_to(names.peek())),
+            Names::Own(n) => *n = names,
+        }
+        if batch.messages() == 0 {
+            return Ok(());
+        }
+        self.seq = batch.end_seq().wrapping_add(1);
+        let describe = |i: usize| {
+            let part = starts.partition_point(|&s| s <= i).saturating_sub(1);
+            let at = i - starts.get(part).copied().unwrap_or(0);
+            match (part, &first) {
+                (0, Some(tx)) => tx.ops.get(at).map(|op| op_text(family, op)),
+                _ => Some(format!("part {part}, op {at}")),
+            }
+        };
+        self.send_batch(family, &batch, &describe)
+    }
+
+    fn send_batch(
+        &mut self,
+        family: IpFamily,
+        batch: &EncodedBatch,
+        describe: &dyn Fn(usize) -> Option<String>,
+    ) -> Result<(), NetlinkError> {
         self.raise_sndbuf(batch.bytes.len())
             .map_err(io_err("raising SO_SNDBUF (SO_SNDBUFFORCE)"))?;
         self.raise_rcvbuf(batch.messages().saturating_mul(RCVBUF_PER_MESSAGE))
@@ -235,14 +293,7 @@ impl NftSocket {
                 return;
             }
             let index = batch.op_index(seq);
-            let op = match index.and_then(|i| tx.ops.get(i)) {
-                Some(op) => {
-                    let mut text = String::new();
-                    op.write_text(tx.family, &mut text);
-                    text.trim_end().to_string()
-                }
-                None => "batch".to_string(),
-            };
+            let op = index.and_then(describe).unwrap_or_else(|| "batch".to_string());
             failures.push(OpFailure {
                 index,
                 op,
@@ -258,7 +309,7 @@ impl NftSocket {
         };
         if !failures.is_empty() || lost {
             return Err(NetlinkError::Rejected {
-                family: tx.family,
+                family,
                 messages: batch.messages(),
                 failures,
                 lost,
@@ -266,11 +317,30 @@ impl NftSocket {
         }
         if !acked {
             return Err(NetlinkError::NoReply {
-                family: tx.family,
+                family,
                 messages: batch.messages(),
             });
         }
         Ok(())
+    }
+
+    /// The chains and named sets of the family's `kube-proxy` table (`GETCHAIN` and `GETSET`
+    /// dumps); `None` when there is no table.
+    pub fn objects(&mut self, family: IpFamily) -> io::Result<Option<TableObjects>> {
+        if !self.table_exists(family)? {
+            return Ok(None);
+        }
+        let mut objects = TableObjects::default();
+        // After the netlink header and the nfgenmsg, the attributes.
+        let attrs = |m: &[u8]| m.get(netlink::NLMSG_HDRLEN + 4..).unwrap_or_default().to_vec();
+        for (_, m) in self.dump(family, NFT_MSG_GETCHAIN, |_| {})? {
+            objects.chains.extend(super::objects::chain(&attrs(&m)));
+        }
+        // A set dump filters by table.
+        for (_, m) in self.dump(family, NFT_MSG_GETSET, |b| b.put_str(NFTA_SET_TABLE, TABLE))? {
+            objects.sets.extend(super::objects::set(&attrs(&m)));
+        }
+        Ok(Some(objects))
     }
 
     /// Whether `table <family> kube-proxy` exists (NFT_MSG_GETTABLE).
@@ -442,6 +512,13 @@ pub enum ReadScope {
         chains: Vec<String>,
         maps: Vec<String>,
     },
+}
+
+/// An op's `nft -f` line, for an error.
+fn op_text(family: IpFamily, op: &crate::nftables::ast::Op) -> String {
+    let mut text = String::new();
+    op.write_text(family, &mut text);
+    text.trim_end().to_string()
 }
 
 /// One netlink message of a reply.
