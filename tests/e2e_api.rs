@@ -675,11 +675,7 @@ impl Cluster {
     fn endpoints_in_kernel(&self, nft: bool, name: &str) -> usize {
         if nft {
             let ruleset = self.bed.node.exec_ok("nft", ["list", "ruleset"]).expect("nft");
-            let needle = format!("-default/{name}/tcp/p__");
-            ruleset
-                .lines()
-                .filter(|l| l.trim_start().starts_with("chain endpoint-") && l.contains(&needle))
-                .count()
+            nft_endpoints(&ruleset, name)
         } else {
             let chain = svc_chain(name);
             self.nat()
@@ -814,6 +810,45 @@ fn hostile_objects_in_iptables_mode() {
 
 fn hostile_objects_in_nftables_mode() {
     hostile_objects_are_skipped_and_the_rest_keeps_working("nftables");
+}
+
+/// The endpoints nftables mode programs for Service `name` (`nft list ruleset` text): the
+/// intervals of the `service-endpoints-…` map that fall within the numbers its chain draws
+/// (`numgen random mod M offset N … map @MAP`).
+fn nft_endpoints(ruleset: &str, name: &str) -> usize {
+    let chain = format!("-default/{name}/tcp/p {{");
+    let mut lines = ruleset.lines();
+    if !lines
+        .by_ref()
+        .any(|l| l.trim_start().starts_with("chain service-") && l.contains(&chain))
+    {
+        return 0;
+    }
+    let Some(rule) = lines
+        .take_while(|l| l.trim() != "}")
+        .find(|l| l.contains("numgen random mod"))
+    else {
+        return 0;
+    };
+    let after = |word: &str| rule.split_whitespace().skip_while(|w| *w != word).nth(1).unwrap_or("");
+    let (modulus, offset): (u64, u64) = (after("mod").parse().unwrap_or(0), after("offset").parse().unwrap_or(0));
+    let map = after("map").trim_start_matches('@');
+    let Some(body) = ruleset.find(&format!("map {map} {{")).map(|i| &ruleset[i..]) else {
+        return 0;
+    };
+    let Some(elements) = body.find("elements = {").map(|i| &body[i + "elements = {".len()..]) else {
+        return 0;
+    };
+    let elements = &elements[..elements.find('}').unwrap_or(elements.len())];
+    elements
+        .split(',')
+        .filter_map(|e| e.split(" : ").next())
+        .filter_map(|k| {
+            let (lo, hi) = k.trim().split_once('-').unwrap_or((k.trim(), k.trim()));
+            Some((lo.parse::<u64>().ok()?, hi.parse::<u64>().ok()?))
+        })
+        .filter(|&(lo, hi)| lo >= offset && hi < offset + modulus)
+        .count()
 }
 
 common::harness::main! {
