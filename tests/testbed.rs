@@ -180,8 +180,15 @@ fn the_bed_is_dual_stack_the_same_paths_work_over_ipv6() {
     // The outside host reaches a pod through the node, with its own address kept.
     let ep = bed.endpoint(1);
     for src in bed.outside_ips_in(v6) {
+        // 3 s: room for one SYN retransmission (after 1 s) should the first SYN go while the
+        // node is still resolving the pod's neighbour entry.
         let r = bed
-            .probe(&bed.outside, &ProbeArgs::tcp(ep.server_addr_in(v6)).with_bind(src))
+            .probe(
+                &bed.outside,
+                &ProbeArgs::tcp(ep.server_addr_in(v6))
+                    .with_bind(src)
+                    .with_timeout_ms(3000),
+            )
             .unwrap();
         assert!(r.all_ok(), "{r:?}");
         assert_eq!(r.attempts[0].seen_src, Some(src));

@@ -255,7 +255,9 @@ pub(crate) fn report<R: Clone + Eq + Hash, M>(
         paths.push(TracePath {
             verdict: p.verdict,
             endpoint: p.dnat.map(|a| a.to_string()),
-            masquerade: p.masquerade,
+            // A rejected or dropped packet never leaves through postrouting, whichever order
+            // the walk visited the hooks in: it is not masqueraded.
+            masquerade: p.masquerade && !matches!(p.verdict, Verdict::Reject | Verdict::Drop),
             choices: p.choices,
             hooks: p.hooks.iter().map(|h| h.to_string()).collect(),
         });
