@@ -73,12 +73,15 @@ use std::collections::BTreeSet;
 use std::fmt::Write as _;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::{TempDir, env_list, env_usize, field, in_netns, loadavg, progress, thousands, unique_node_ports};
 use kube_proxy::config::LocalDetector;
 use kube_proxy::iptables::IptablesRenderOptions;
 use kube_proxy::iptables::backend::Backend;
@@ -116,26 +119,6 @@ sockopt_impl!(
     libc::c_int
 );
 
-fn env_usize(name: &str, default: usize) -> usize {
-    match std::env::var(name) {
-        Ok(v) => v
-            .trim()
-            .replace(['_', ','], "")
-            .parse()
-            .unwrap_or_else(|_| panic!("{name}={v:?} is not a number")),
-        Err(_) => default,
-    }
-}
-
-fn env_list(name: &str, default: &str) -> Vec<String> {
-    std::env::var(name)
-        .unwrap_or_else(|_| default.to_string())
-        .split(',')
-        .map(|s| s.trim().to_string())
-        .filter(|s| !s.is_empty())
-        .collect()
-}
-
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Mode {
     Iptables,
@@ -159,19 +142,6 @@ impl Mode {
     }
 }
 
-/// Thousands separators: 30000 → "30,000".
-fn thousands(n: usize) -> String {
-    let s = n.to_string();
-    let mut out = String::new();
-    for (i, c) in s.chars().enumerate() {
-        if i > 0 && (s.len() - i).is_multiple_of(3) {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
-}
-
 fn secs(d: Duration) -> String {
     format!("{:.1} s", d.as_secs_f64())
 }
@@ -180,48 +150,10 @@ fn ms(d: Duration) -> String {
     format!("{:.0} ms", d.as_secs_f64() * 1e3)
 }
 
-static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-
-/// A progress line, with the time since the start of the benchmark.
-fn progress(msg: impl AsRef<str>) {
-    let t = START.get_or_init(Instant::now).elapsed().as_secs_f64();
-    println!("  [{t:>6.1} s] {}", msg.as_ref());
-}
-
-/// Runs `f` on a thread that entered the network namespace `ns` (sockets it creates stay
-/// there; processes it starts run there). The calling thread never changes namespace.
-fn in_netns<T: Send>(ns: &str, f: impl FnOnce() -> T + Send) -> T {
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            let file = std::fs::File::open(format!("/run/netns/{ns}")).expect("the netns file");
-            nix::sched::setns(file, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns (needs root)");
-            f()
-        })
-        .join()
-        .expect("the thread in the namespace panicked")
-    })
-}
-
 fn opts() -> RenderOptions {
     RenderOptions {
         local_detector: LocalDetector::Cidr(POD_CIDR.into()),
         ..RenderOptions::default()
-    }
-}
-
-/// NodePorts as an API server hands them out: unique, 30000–32767; the rest lose theirs.
-fn unique_node_ports(state: &mut ProxyState) {
-    let mut next: u32 = 30000;
-    for sps in &mut state.service_ports {
-        let sps = std::sync::Arc::make_mut(sps);
-        if sps.port.node_port != 0 {
-            if next <= 32767 {
-                sps.port.node_port = next as u16;
-                next += 1;
-            } else {
-                sps.port.node_port = 0;
-            }
-        }
     }
 }
 
@@ -625,28 +557,6 @@ fn print_latency(rows: &[Row], endpoints: usize, c: &Connects) {
 // ---------------------------------------------------------------------------------------------
 // Part 2: daemon RSS.
 
-/// A temporary directory, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> TempDir {
-        let dir = std::env::temp_dir().join(format!("kp-bench-dataplane-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("create the manifest directory");
-        TempDir(dir)
-    }
-
-    fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// One Service and its EndpointSlice, as YAML documents.
 fn service_yaml(out: &mut String, sps: &kube_proxy::model::ServicePortState) {
     let p = &sps.port;
@@ -711,14 +621,6 @@ fn write_manifests(dir: &Path, state: &ProxyState) -> usize {
         panic!("the manifests do not give the synthetic model back:\nread    {a:?}\nwritten {b:?}");
     }
     files
-}
-
-/// The value of `key=` in a klog-style line, unquoted.
-fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
-    let start = line.find(&format!(" {key}="))? + key.len() + 2;
-    let rest = &line[start..];
-    let end = rest.find(' ').unwrap_or(rest.len());
-    Some(rest[..end].trim_matches('"'))
 }
 
 /// `VmRSS` and `VmHWM` of a process, in KiB.
@@ -1069,13 +971,6 @@ fn print_explain(rows: &[ExplainRow], services: usize, endpoints: usize, reps: u
     }
 }
 
-/// `/proc/loadavg`'s three averages: the timings share the machine with whatever else runs.
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_default()
-}
-
 /// The synthetic cluster of `services` × `endpoints` (unique NodePorts) written as manifests
 /// into a fresh directory (`tag` in its name): the state, the directory and its file count.
 fn synthetic_manifests(tag: &str, services: usize, endpoints: usize) -> (ProxyState, TempDir, usize) {
@@ -1085,7 +980,7 @@ fn synthetic_manifests(tag: &str, services: usize, endpoints: usize) -> (ProxySt
     );
     let mut state = synthetic::state(services, endpoints);
     unique_node_ports(&mut state);
-    let dir = TempDir::new(tag);
+    let dir = TempDir::new(&format!("dataplane-{tag}"));
     let files = write_manifests(dir.path(), &state);
     (state, dir, files)
 }
@@ -1109,7 +1004,7 @@ fn main() {
     let rss_endpoints = env_usize("RSS_ENDPOINTS", 10);
     let live_changes_n = env_usize("LIVE_CHANGES", 10);
     let parts = env_list("PARTS", "latency,rss");
-    START.get_or_init(Instant::now);
+    common::start_clock();
     assert!(
         nix::unistd::geteuid().is_root(),
         "the dataplane benchmark needs root (network namespaces)"

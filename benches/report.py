@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Regenerates README's benchmark tables and draws docs/iptables-figures.svg from the JSON the
-benchmarks write (`BENCH_JSON=PATH cargo bench --bench sync`; `benches/run` does both).
+benchmarks write (`BENCH_JSON=PATH cargo bench --bench sync`, `... --bench latency`;
+`benches/run` does both).
 
 Usage: benches/report.py [--readme README.md] [--svg docs/iptables-figures.svg] JSON...
 
@@ -49,7 +50,37 @@ def sync_block(f):
     return "\n".join(lines)
 
 
-BLOCKS = {"sync": sync_block}
+def latency_block(f):
+    """README's table for the `latency` benchmark (an endpoint change, end to end)."""
+    lines = [
+        f"**An endpoint change live, end to end**, `sudo benches/run` (`cargo bench --bench latency`):"
+        f" a Service's single endpoint flipped {f['flips']} times between two real pods,"
+        f" {f['spacing_ms']} ms apart, beside the other Services; from the change (the"
+        " EndpointSlice written to the API server, or the manifest renamed into place) to the"
+        f" first connection answered by the new pod (a connect every {f['probe_interval_us']} µs)."
+        " The parts are medians, from the daemon's log: the source (its watch event, or the"
+        " file re-read), the loop (to building the state), building the state, the proxier, and"
+        " the rest (kernel and prober). Load average"
+        f" {f['load_average_start']:g} at the start, {f['load_average_end']:g} at the end:",
+        "",
+        "| mode | Services × endpoints | source | p50 | p99 | target (p99) | source / loop / build / proxier / rest | first sync | load |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in f["cases"]:
+        p = c["parts_p50_ms"]
+        verdict = "met" if c["p99_ms"] <= c["target_p99_ms"] else "**missed**"
+        parts = " / ".join(f"{p[k]:.1f}" for k in ("source", "loop", "build", "proxier", "traffic"))
+        lines.append(
+            f"| {c['mode']} | {thousands(c['services'])} × {c['endpoints']} | {c['source']}"
+            f" | {c['p50_ms']:.1f} ms | {c['p99_ms']:.1f} ms | ≤ {c['target_p99_ms']:g} ms: {verdict}"
+            f" | {parts} ms | {c['first_sync_s']:.1f} s | {c['load_average']:g} |"
+        )
+    bad = sum(c["stale"] + c["errors"] for c in f["cases"])
+    lines += ["", f"Connects that failed or reached the old pod after the new one answered: {bad}."]
+    return "\n".join(lines)
+
+
+BLOCKS = {"sync": sync_block, "latency": latency_block}
 
 
 def replace_block(text, name, body):

@@ -1,6 +1,6 @@
 //! README's benchmark tables and `docs/iptables-figures.svg` are what `benches/report.py` makes
 //! of the JSON in `docs/bench/` (the one benchmark command, `benches/run`, writes both): no
-//! figure there is copied by hand, or left behind by a newer run.
+//! figure there is copied by hand, or left behind by a newer run (every `docs/bench/*.json`).
 
 mod common;
 
@@ -11,13 +11,19 @@ fn readme_and_plot_are_regenerated_from_the_committed_json() {
     std::fs::create_dir_all(&scratch).expect("scratch dir");
     let (readme, svg) = (scratch.join("README.md"), scratch.join("figures.svg"));
     std::fs::copy(root.join("README.md"), &readme).expect("copy README");
+    let mut figures: Vec<std::path::PathBuf> = std::fs::read_dir(root.join("docs/bench"))
+        .expect("docs/bench")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .collect();
+    figures.sort();
     let status = std::process::Command::new("python3")
         .arg(root.join("benches/report.py"))
         .arg("--readme")
         .arg(&readme)
         .arg("--svg")
         .arg(&svg)
-        .arg(root.join("docs/bench/sync.json"))
+        .args(&figures)
         .status()
         .expect("python3 runs");
     let regenerated = std::fs::read_to_string(&readme).expect("README");

@@ -43,7 +43,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource};
 use serde::de::DeserializeOwned;
 use tokio::sync::mpsc::UnboundedSender;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use super::decode::Raw;
 
@@ -430,6 +430,10 @@ async fn watch_until<K: Kind>(
                         let was_synced = w.synced();
                         let changes = apply(&mut w, event);
                         let synced = w.synced();
+                        if !changes.is_empty() {
+                            // When each change arrived, for latency tracing (benches/latency.rs).
+                            debug!(kind = %name, changes = changes.len(), "Watch event");
+                        }
                         (!changes.is_empty() || synced != was_synced).then_some(Update { changes, synced })
                     }
                     Err(_) => return WatchEnd::Closed,
