@@ -50,6 +50,9 @@ pub struct SyncLoop {
     programmed: BTreeSet<IpFamily>,
     /// Every family has: the leftovers may go (and are re-checked at each periodic check).
     removing: bool,
+    /// The families whose last sync succeeded on the builder's latest state: the changes of
+    /// their next build are exactly what their proxier has yet to program.
+    in_step: BTreeSet<IpFamily>,
 }
 
 impl SyncLoop {
@@ -83,6 +86,7 @@ impl SyncLoop {
             leftovers: None,
             programmed: BTreeSet::new(),
             removing: false,
+            in_step: BTreeSet::new(),
         }
     }
 
@@ -178,16 +182,18 @@ impl SyncLoop {
                 continue;
             };
             let start = StdInstant::now();
-            let state = self.builder.build(&node, family);
+            let (state, changed) = self.builder.build_changed(&node, family);
             debug!(ip_family = %family, elapsed_ms = ms(start), "Built the state");
             for w in &state.warnings {
                 warn!(ip_family = %family, "{w}");
             }
+            let in_step = self.in_step.remove(&family);
             let p = &mut self.proxiers[i];
             p.configure(&ctx);
-            let result = match kind {
-                SyncKind::Full => p.sync_full(&state),
-                SyncKind::Changes => p.sync_changes(&state),
+            let result = match (kind, changed) {
+                (SyncKind::Full, _) => p.sync_full(&state),
+                (SyncKind::Changes, Some(changed)) if in_step => p.sync_changed(&state, &changed),
+                (SyncKind::Changes, _) => p.sync_changes(&state),
             };
             let cleanup_at = p.next_cleanup();
             match result {
@@ -200,12 +206,14 @@ impl SyncLoop {
                     self.telemetry.synced(family, &report, &state, prefer_same_node);
                     self.runner.synced(family, now(), Ok(report.full), cleanup_at);
                     self.programmed.insert(family);
+                    self.in_step.insert(family);
                     states.push(state);
                 }
                 Err(e) => {
                     error!(ip_family = %family, error = %e, "Sync failed; keeping the previous rules and retrying with a full sync");
                     self.telemetry.failed(&state, e.full, &e.to_string());
                     self.runner.synced(family, now(), Err(()), cleanup_at);
+                    self.builder.recycle(state);
                 }
             }
         }
@@ -215,6 +223,9 @@ impl SyncLoop {
         }
         if !states.is_empty() {
             self.telemetry.sync_service_health(&states).await;
+        }
+        for state in states {
+            self.builder.recycle(state);
         }
         if self.runner.pending().is_empty() {
             let families: Vec<IpFamily> = self.proxiers.iter().map(|p| p.family()).collect();
@@ -459,6 +470,34 @@ mod tests {
             h.syncs()[1..],
             [(sent, Call::SyncChanges(1))],
             "no wait when none is due"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_proxier_in_step_is_told_what_changed_and_one_after_a_failure_is_not() {
+        let h = Harness::listed(ProxyMode::Nftables, |_| {}).await;
+        h.send(cluster(2).diff(&cluster(1)), true);
+        h.run_for(2 * SEC).await;
+        assert_eq!(h.v4.record().told, vec![Ok(1)], "one service port changed");
+        h.v4.record().fail_next = 1;
+        h.send(cluster(3).diff(&cluster(2)), true);
+        h.run_for(2 * SEC).await;
+        assert_eq!(h.v4.record().told, vec![Ok(1), Ok(1)], "told, and it failed");
+        // The retry (a full sync) and the change after it.
+        h.run_for(40 * SEC).await;
+        h.send(cluster(0).diff(&cluster(3)), true);
+        h.run_for(2 * SEC).await;
+        assert_eq!(h.v4.record().told, vec![Ok(1), Ok(1), Ok(1)]);
+        let syncs: Vec<Call> = h.syncs().into_iter().map(|(_, c)| c).collect();
+        assert_eq!(
+            syncs,
+            vec![
+                Call::SyncFull(1),
+                Call::SyncChanges(1),
+                Call::SyncChanges(1),
+                Call::SyncFull(1),
+                Call::SyncChanges(1)
+            ]
         );
     }
 

@@ -23,7 +23,7 @@ use k8s_openapi::api::networking::v1::ServiceCIDR;
 use super::addr::parse_cidr_sloppy;
 use super::endpoints::{EndpointMerge, SliceEntry};
 use super::services::{ServiceEntry, sort_and_dedup};
-use super::{IpFamily, NodeInfo, ProxyState, ServicePortState};
+use super::{IpFamily, NodeInfo, ProxyState, ServicePortName, ServicePortState};
 use crate::manifest::Objects;
 
 /// `(namespace, name)` of an object.
@@ -163,10 +163,27 @@ struct FamilyCache {
     services: BTreeMap<ObjectName, (Vec<Arc<ServicePortState>>, Vec<String>)>,
     /// Services changed since this family was last built.
     dirty: BTreeSet<ObjectName>,
+    /// EndpointSlices changed since then (their warnings).
+    dirty_slices: BTreeSet<ObjectName>,
+    /// The warnings of Service and EndpointSlice entries in this family, where there are any,
+    /// and the Services whose merge found problems: a build gathers them without walking
+    /// every object.
+    service_warnings: BTreeMap<ObjectName, Vec<String>>,
+    slice_warnings: BTreeMap<ObjectName, Vec<String>>,
+    merge_warned: BTreeSet<ObjectName>,
+    /// The service ports of the last build, handed back ([`StateBuilder::recycle`]) to be
+    /// patched where Services changed instead of gathered again (10^4–10^5 `Arc`s).
+    ports: Option<Vec<Arc<ServicePortState>>>,
+    /// The last build's state has not been handed back yet.
+    lent: bool,
     /// Built at least once: until then nothing is tracked (a family the node never builds
     /// must not collect changes forever), and the first build merges every Service.
     built: bool,
 }
+
+/// One service port that differs from the previous build of its family: its new version, or
+/// `None` where it is gone.
+pub type PortChange = (ServicePortName, Option<Arc<ServicePortState>>);
 
 impl Default for StateBuilder {
     fn default() -> Self {
@@ -202,6 +219,7 @@ impl StateBuilder {
     pub fn apply(&mut self, changes: Vec<Change>) -> Changes {
         let mut summary = Changes::default();
         let mut dirty: BTreeSet<ObjectName> = BTreeSet::new();
+        let mut dirty_slices: BTreeSet<ObjectName> = BTreeSet::new();
         for change in changes {
             match change {
                 Change::Service(name, entry) => {
@@ -225,6 +243,7 @@ impl StateBuilder {
                     summary.slices += 1;
                     summary.triggers.extend(new.as_ref().and_then(|s| s.trigger_time));
                     self.move_slice(&name, old.as_deref(), new.as_deref(), &mut dirty);
+                    dirty_slices.insert(name);
                 }
                 other => {
                     if let Applied::Other(changed) = self.store.apply(other) {
@@ -235,6 +254,7 @@ impl StateBuilder {
         }
         for cache in self.families.iter_mut().filter(|c| c.built) {
             cache.dirty.extend(dirty.iter().cloned());
+            cache.dirty_slices.extend(dirty_slices.iter().cloned());
         }
         summary
     }
@@ -270,58 +290,154 @@ impl StateBuilder {
 
     /// The state of `family` as the node `node` programs it (see [`Store::state`]).
     pub fn build(&mut self, node: &NodeInfo, family: IpFamily) -> ProxyState {
+        self.build_changed(node, family).0
+    }
+
+    /// As [`StateBuilder::build`], with the service ports that differ from the previous build
+    /// of `family` (`None` at its first build: everything is new). Costs what changed, not
+    /// the cluster, when the previous build's state was handed back
+    /// ([`StateBuilder::recycle`]).
+    pub fn build_changed(&mut self, node: &NodeInfo, family: IpFamily) -> (ProxyState, Option<Vec<PortChange>>) {
         let store = &self.store;
         let cache = &mut self.families[usize::from(family == IpFamily::V6)];
-        if !cache.built {
+        let first = !cache.built;
+        if first {
             cache.built = true;
             cache.dirty = store.services.keys().cloned().collect();
+            cache.dirty_slices = store.slices.keys().cloned().collect();
         }
+        let mut changed = Vec::new();
         for svc in std::mem::take(&mut cache.dirty) {
-            let ports = store.services.get(&svc).map_or(&[][..], |e| e.ports(family));
-            if ports.is_empty() {
-                cache.services.remove(&svc);
-                continue;
-            }
+            let entry = store.services.get(&svc);
+            set_warnings(
+                &mut cache.service_warnings,
+                &svc,
+                entry.map_or(&[][..], |e| e.warnings(family)),
+            );
+            let old = cache.services.remove(&svc).map(|(p, _)| p).unwrap_or_default();
+            let ports = entry.map_or(&[][..], |e| e.ports(family));
             let mut warnings = Vec::new();
-            let mut ports = ports.to_vec();
-            sort_and_dedup(&mut ports, &mut warnings);
-            let mut merge = EndpointMerge::default();
-            for slice in self.slices_of.get(&svc).into_iter().flatten() {
-                if let Some(slice) = store.slices.get(slice) {
-                    merge.add(slice, family);
+            let mut states = Vec::with_capacity(ports.len());
+            if !ports.is_empty() {
+                let mut ports = ports.to_vec();
+                sort_and_dedup(&mut ports, &mut warnings);
+                let mut merge = EndpointMerge::default();
+                for slice in self.slices_of.get(&svc).into_iter().flatten() {
+                    if let Some(slice) = store.slices.get(slice) {
+                        merge.add(slice, family);
+                    }
+                }
+                let mut endpoints = merge.finish();
+                for port in ports {
+                    let new = ServicePortState {
+                        endpoints: endpoints.remove(&port.name).unwrap_or_default(),
+                        port,
+                    };
+                    // An equal port keeps its allocation: later comparisons stop at the pointer.
+                    match old.iter().find(|o| o.port.name == new.port.name) {
+                        Some(o) if **o == new => states.push(o.clone()),
+                        _ => {
+                            let new = Arc::new(new);
+                            changed.push((new.port.name.clone(), Some(new.clone())));
+                            states.push(new);
+                        }
+                    }
                 }
             }
-            let mut endpoints = merge.finish();
-            let mut states = Vec::with_capacity(ports.len());
-            for port in ports {
-                states.push(Arc::new(ServicePortState {
-                    endpoints: endpoints.remove(&port.name).unwrap_or_default(),
-                    port,
-                }));
+            for o in &old {
+                if !states.iter().any(|n| n.port.name == o.port.name) {
+                    changed.push((o.port.name.clone(), None));
+                }
             }
-            cache.services.insert(svc, (states, warnings));
+            if let Some(list) = cache.ports.as_mut()
+                && !patch(list, &svc, &old, &states)
+            {
+                cache.ports = None;
+            }
+            if warnings.is_empty() {
+                cache.merge_warned.remove(&svc);
+            } else {
+                cache.merge_warned.insert(svc.clone());
+            }
+            if !states.is_empty() {
+                cache.services.insert(svc, (states, warnings));
+            }
+        }
+        for name in std::mem::take(&mut cache.dirty_slices) {
+            let warnings = store
+                .slices
+                .get(&name)
+                .filter(|s| s.reported_in(family))
+                .map_or(&[][..], |s| &s.warnings[..]);
+            set_warnings(&mut cache.slice_warnings, &name, warnings);
         }
 
-        let mut warnings = store.warnings.clone();
-        for entry in store.services.values() {
-            warnings.extend(entry.warnings(family).iter().cloned());
-        }
-        for entry in store.slices.values().filter(|s| s.reported_in(family)) {
-            warnings.extend(entry.warnings.iter().cloned());
-        }
         // Names sort by namespace, then name: Services in name order give ports in order.
-        let mut service_ports = Vec::with_capacity(cache.services.values().map(|(p, _)| p.len()).sum());
-        for (ports, merge_warnings) in cache.services.values() {
-            service_ports.extend(ports.iter().cloned());
-            warnings.extend(merge_warnings.iter().cloned());
+        let recycled = if cache.lent { None } else { cache.ports.take() };
+        cache.ports = None;
+        cache.lent = true;
+        let service_ports = recycled.unwrap_or_else(|| {
+            let mut all = Vec::with_capacity(cache.services.values().map(|(p, _)| p.len()).sum());
+            for (ports, _) in cache.services.values() {
+                all.extend(ports.iter().cloned());
+            }
+            all
+        });
+        let mut warnings = store.warnings.clone();
+        warnings.extend(cache.service_warnings.values().flatten().cloned());
+        warnings.extend(cache.slice_warnings.values().flatten().cloned());
+        for svc in &cache.merge_warned {
+            warnings.extend(cache.services.get(svc).into_iter().flat_map(|(_, w)| w.iter().cloned()));
         }
-        ProxyState {
+        let state = ProxyState {
             family,
             node: node.clone(),
             service_ports,
             service_cidrs: service_cidrs(&store.service_cidrs, family, &mut warnings),
             warnings,
+        };
+        (state, (!first).then_some(changed))
+    }
+
+    /// Hands back the state of the last build of its family, whose service ports the next
+    /// build then patches instead of gathering them again.
+    pub fn recycle(&mut self, state: ProxyState) {
+        let cache = &mut self.families[usize::from(state.family == IpFamily::V6)];
+        if cache.lent {
+            cache.lent = false;
+            cache.ports = Some(state.service_ports);
         }
+    }
+}
+
+/// Replaces the service ports of `svc` in `list` (`old`, found by name) by `new`; `false` if
+/// they are not where they should be (the list is then not the last build's).
+fn patch(
+    list: &mut Vec<Arc<ServicePortState>>,
+    svc: &ObjectName,
+    old: &[Arc<ServicePortState>],
+    new: &[Arc<ServicePortState>],
+) -> bool {
+    fn key(p: &ServicePortState) -> (&str, &str) {
+        (p.port.name.namespace.as_str(), p.port.name.name.as_str())
+    }
+    let target = (svc.0.as_str(), svc.1.as_str());
+    let lo = list.partition_point(|p| key(p) < target);
+    let hi = lo + list[lo..].partition_point(|p| key(p) == target);
+    let here = &list[lo..hi];
+    if here.len() != old.len() || here.iter().zip(old).any(|(a, b)| !Arc::ptr_eq(a, b)) {
+        return false;
+    }
+    list.splice(lo..hi, new.iter().cloned());
+    true
+}
+
+/// Keeps `warnings` as `name`'s in `map`, or drops its entry when there are none.
+fn set_warnings(map: &mut BTreeMap<ObjectName, Vec<String>>, name: &ObjectName, warnings: &[String]) {
+    if warnings.is_empty() {
+        map.remove(name);
+    } else if map.get(name).is_none_or(|w| w[..] != *warnings) {
+        map.insert(name.clone(), warnings.to_vec());
     }
 }
 
@@ -612,7 +728,8 @@ mod tests {
                 let mut present: BTreeMap<(u8, u8), String> = BTreeMap::new();
                 let mut builder = StateBuilder::new();
                 let mut previous = Store::default();
-                for (kind, n, variant, remove) in steps {
+                let mut last: Option<Vec<Arc<ServicePortState>>> = None;
+                for (step, (kind, n, variant, remove)) in steps.into_iter().enumerate() {
                     let n = if kind == 0 { n % 4 } else { n };
                     if remove {
                         present.remove(&(kind, n));
@@ -624,10 +741,32 @@ mod tests {
                     crate::manifest::load_str(std::path::Path::new("p.yaml"), &text, &mut objects).expect("parses");
                     let store = Store::from_objects(&objects, "node-a");
                     builder.apply(store.diff(&previous));
-                    let built = builder.build(&node, IpFamily::V4);
+                    let (built, changed) = builder.build_changed(&node, IpFamily::V4);
                     prop_assert_eq!(&built.service_ports, &reference(&objects, &node));
                     let fresh = store.state(&node, IpFamily::V4);
                     prop_assert_eq!(&built.warnings, &fresh.warnings);
+                    // The changes turn the previous build into this one.
+                    match (last.take(), changed) {
+                        (None, None) => {}
+                        (Some(before), Some(changed)) => {
+                            let mut ports: BTreeMap<ServicePortName, Arc<ServicePortState>> =
+                                before.into_iter().map(|p| (p.port.name.clone(), p)).collect();
+                            for (name, new) in changed {
+                                match new {
+                                    Some(new) => ports.insert(name, new),
+                                    None => ports.remove(&name),
+                                };
+                            }
+                            let now: BTreeMap<_, _> = built.service_ports.iter().map(|p| (p.port.name.clone(), p.clone())).collect();
+                            prop_assert_eq!(ports, now);
+                        }
+                        (before, changed) => prop_assert!(false, "changes {:?} after {:?}", changed.is_some(), before.is_some()),
+                    }
+                    last = Some(built.service_ports.clone());
+                    // Every other build patches the previous one's ports.
+                    if step % 2 == 0 {
+                        builder.recycle(built);
+                    }
                     previous = store;
                 }
             }

@@ -37,6 +37,7 @@ use super::netlink::decode::Undecoded;
 use super::readback;
 use super::render::{ServiceRenderer, update_blocks};
 use crate::config::ProxyMode;
+use crate::model::store::PortChange;
 use crate::model::{IpFamily, Protocol, ProxyState, ServicePort, ServicePortName, ServicePortState};
 use crate::proxy::{Programmed, Proxier, ReadBackError, RenderOptions, SyncContext, SyncError, SyncReport};
 
@@ -285,12 +286,22 @@ impl NftProxier {
 
     /// Brings the table in line with `state` (which must be of this proxier's family).
     pub fn sync(&mut self, state: &ProxyState) -> Result<SyncReport, NftError> {
+        self.sync_hinted(state, None)
+    }
+
+    /// [`NftProxier::sync`], told which service ports differ from the last programmed state
+    /// (see [`Proxier::sync_changed`]): only those are compared.
+    pub fn sync_changed(&mut self, state: &ProxyState, changed: &[PortChange]) -> Result<SyncReport, NftError> {
+        self.sync_hinted(state, Some(changed))
+    }
+
+    fn sync_hinted(&mut self, state: &ProxyState, changed: Option<&[PortChange]>) -> Result<SyncReport, NftError> {
         let start = Instant::now();
         let renderer = ServiceRenderer::new(state, &self.opts);
         let incremental = self.applied.as_ref().is_some_and(|a| a.renderer == renderer);
         self.last_attempt_full = !incremental;
         let result = if incremental {
-            self.send_changes(state)
+            self.send_changes(state, changed)
         } else {
             self.rebuild(state, renderer)
         };
@@ -386,52 +397,30 @@ impl NftProxier {
     }
 
     /// Sends what changed since the last sync.
-    fn send_changes(&mut self, state: &ProxyState) -> Result<SyncReport, NftError> {
+    fn send_changes(&mut self, state: &ProxyState, changed: Option<&[PortChange]>) -> Result<SyncReport, NftError> {
         let stale_delay = self.stale_delay;
         let Some(applied) = self.applied.as_mut() else {
             return Err(NftError("no programmed table to update".into()));
         };
         let now = Instant::now();
         let mut plan = Plan::default();
-        // Ports still present that were programmed before; when that is all of them, nothing
-        // was removed and the (per-sync, 40k-entry) search for removed ports is skipped.
-        let mut kept = 0usize;
-        for sps in &state.service_ports {
-            let name = &sps.port.name;
-            let old = applied.services.get(name).cloned();
-            if old.is_some() {
-                kept += 1;
-            }
-            if old.as_ref().is_some_and(|o| o.state == *sps) {
-                continue;
-            }
-            match old {
-                None => {
-                    add_port(&mut plan, applied, sps);
-                    // Counted as kept from now on: it is in `applied.services`.
-                    kept += 1;
-                }
-                Some(old) => change_port(&mut plan, applied, &old, sps),
-            }
-        }
-        if kept < applied.services.len() {
-            let present: HashSet<&ServicePortName> = state.service_ports.iter().map(|s| &s.port.name).collect();
-            let gone: Vec<ServicePortName> = applied
-                .services
-                .keys()
-                .filter(|n| !present.contains(n))
-                .cloned()
-                .collect();
-            for name in gone {
-                if let Some(old) = applied.services.remove(&name) {
-                    plan.udp_endpoints_removed |= old.state.port.protocol == Protocol::Udp;
-                    let old_objs = applied.objects(&old);
-                    plan_service(&mut plan, applied, &old.state, Some(old_objs), None);
-                    if let Some(b) = old.blocks {
-                        release(&mut applied.blocks, b);
+        match changed {
+            Some(changed) => {
+                // As `plan_all` goes: additions and changes in the model's order, then removals.
+                for new in changed.iter().filter_map(|(_, new)| new.as_ref()) {
+                    match applied.services.get(&new.port.name).cloned() {
+                        Some(old) if old.state == *new => {}
+                        Some(old) => change_port(&mut plan, applied, &old, new),
+                        None => {
+                            add_port(&mut plan, applied, new);
+                        }
                     }
                 }
+                for (name, _) in changed.iter().filter(|(_, new)| new.is_none()) {
+                    remove_port(&mut plan, applied, name);
+                }
             }
+            None => plan_all(&mut plan, applied, state),
         }
         let rewritten = plan.rewritten;
         let udp = plan.udp_endpoints_removed;
@@ -614,6 +603,55 @@ fn is_priority(name: &ServicePortName) -> bool {
 fn release(taken: &mut Blocks, blocks: PortBlocks) {
     for id in [blocks.cluster, blocks.local].into_iter().flatten() {
         taken.release(id);
+    }
+}
+
+/// Plans the changes from what `applied` holds to `state`, comparing every port.
+fn plan_all(plan: &mut Plan, applied: &mut Applied, state: &ProxyState) {
+    // Ports still present that were programmed before; when that is all of them, nothing
+    // was removed and the (per-sync, 40k-entry) search for removed ports is skipped.
+    let mut kept = 0usize;
+    for sps in &state.service_ports {
+        let name = &sps.port.name;
+        let old = applied.services.get(name).cloned();
+        if old.is_some() {
+            kept += 1;
+        }
+        if old.as_ref().is_some_and(|o| o.state == *sps) {
+            continue;
+        }
+        match old {
+            None => {
+                add_port(plan, applied, sps);
+                // Counted as kept from now on: it is in `applied.services`.
+                kept += 1;
+            }
+            Some(old) => change_port(plan, applied, &old, sps),
+        }
+    }
+    if kept < applied.services.len() {
+        let present: HashSet<&ServicePortName> = state.service_ports.iter().map(|s| &s.port.name).collect();
+        let gone: Vec<ServicePortName> = applied
+            .services
+            .keys()
+            .filter(|n| !present.contains(n))
+            .cloned()
+            .collect();
+        for name in gone {
+            remove_port(plan, applied, &name);
+        }
+    }
+}
+
+/// Plans the removal of a programmed port.
+fn remove_port(plan: &mut Plan, applied: &mut Applied, name: &ServicePortName) {
+    if let Some(old) = applied.services.remove(name) {
+        plan.udp_endpoints_removed |= old.state.port.protocol == Protocol::Udp;
+        let old_objs = applied.objects(&old);
+        plan_service(plan, applied, &old.state, Some(old_objs), None);
+        if let Some(b) = old.blocks {
+            release(&mut applied.blocks, b);
+        }
     }
 }
 
@@ -850,6 +888,10 @@ impl Proxier for NftProxier {
 
     fn sync_changes(&mut self, state: &ProxyState) -> Result<SyncReport, SyncError> {
         self.sync(state).map_err(|e| SyncError::new(self.last_attempt_full, e))
+    }
+
+    fn sync_changed(&mut self, state: &ProxyState, changed: &[PortChange]) -> Result<SyncReport, SyncError> {
+        NftProxier::sync_changed(self, state, changed).map_err(|e| SyncError::new(self.last_attempt_full, e))
     }
 
     fn intact(&mut self) -> bool {
@@ -1278,6 +1320,23 @@ mod tests {
         state(ports)
     }
 
+    /// The service ports that differ from `old` in `new`, as the state builder reports them.
+    fn changes(old: &ProxyState, new: &ProxyState) -> Vec<PortChange> {
+        let mut out: Vec<PortChange> = new
+            .service_ports
+            .iter()
+            .filter(|n| !old.service_ports.contains(n))
+            .map(|n| (n.port.name.clone(), Some(n.clone())))
+            .collect();
+        out.extend(
+            old.service_ports
+                .iter()
+                .filter(|o| !new.service_ports.iter().any(|n| n.port.name == o.port.name))
+                .map(|o| (o.port.name.clone(), None)),
+        );
+        out
+    }
+
     use proptest::prelude::*;
 
     proptest! {
@@ -1291,10 +1350,20 @@ mod tests {
             )
         ) {
             let (mut p, rec) = proxier();
+            // Told what changed, a second proxier sends the same.
+            let (mut told, told_rec) = proxier();
+            let mut before: Option<ProxyState> = None;
             for specs in &steps {
                 let st = build(specs);
                 p.sync(&st).map_err(|e| TestCaseError::fail(e.to_string()))?;
                 prop_assert_eq!(without_flushed(table(&rec)), without_flushed(expected(&st)));
+                match &before {
+                    Some(b) => told.sync_changed(&st, &changes(b, &st)),
+                    None => told.sync(&st),
+                }
+                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                prop_assert_eq!(table(&told_rec), table(&rec));
+                before = Some(st);
             }
             p.set_stale_chain_delay(Duration::ZERO);
             let last = build(steps.last().unwrap());

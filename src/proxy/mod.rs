@@ -13,6 +13,7 @@ pub use addresses::{NodePortAddresses, local_addresses};
 pub use options::RenderOptions;
 
 use crate::config::{ProxyConfig, ProxyMode};
+use crate::model::store::PortChange;
 use crate::model::{IpFamily, NodeInfo, ProxyState, ServicePort};
 
 /// What the proxiers need besides the model to decide their rules; the daemon builds it once
@@ -93,6 +94,15 @@ pub trait Proxier: Send {
     /// sync to build on, or whose rendering context changed, does a full one (the report says
     /// which it was).
     fn sync_changes(&mut self, state: &ProxyState) -> Result<SyncReport, SyncError>;
+
+    /// As [`Proxier::sync_changes`], told which service ports differ from the state of the
+    /// last successful sync: `changed` holds each one's new version (`None` where it is gone),
+    /// and every other port of `state` is as it was. A mode that can use that does not walk
+    /// the others; the default ignores it.
+    fn sync_changed(&mut self, state: &ProxyState, changed: &[PortChange]) -> Result<SyncReport, SyncError> {
+        let _ = changed;
+        self.sync_changes(state)
+    }
 
     /// Whether what marks our rules in the kernel is still there (iptables: the canary chains
     /// and the entry jump; nftables: our table; IPVS: the entry jump and `kube-ipvs0`). When

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use super::{Programmed, ProgrammedSection, Proxier, ReadBackError, SyncContext, SyncError, SyncReport};
 use crate::config::ProxyMode;
+use crate::model::store::PortChange;
 use crate::model::{IpFamily, ProxyState, ServicePort};
 
 /// One call the fake received.
@@ -47,6 +48,9 @@ pub struct Record {
     pub cleanup_due: Option<Instant>,
     pub full_sync_period: Option<Duration>,
     pub syncs_every_period: bool,
+    /// For each `sync_changed`: how many changed ports it was told of, or what was wrong
+    /// with them (they do not turn the programmed state into the new one).
+    pub told: Vec<Result<usize, String>>,
 }
 
 impl Default for Record {
@@ -60,6 +64,7 @@ impl Default for Record {
             cleanup_due: None,
             full_sync_period: None,
             syncs_every_period: false,
+            told: Vec::new(),
         }
     }
 }
@@ -148,6 +153,12 @@ impl Proxier for RecordingProxier {
         self.sync(state, full)
     }
 
+    fn sync_changed(&mut self, state: &ProxyState, changed: &[PortChange]) -> Result<SyncReport, SyncError> {
+        let check = check_changes(self.record().programmed.as_ref(), state, changed);
+        self.record().told.push(check.map(|()| changed.len()));
+        self.sync_changes(state)
+    }
+
     fn intact(&mut self) -> bool {
         let mut r = self.record();
         r.push(Call::Intact);
@@ -189,5 +200,34 @@ impl Proxier for RecordingProxier {
                 lines,
             }],
         })
+    }
+}
+
+/// Whether `changed` turns the service ports of `programmed` into those of `state`.
+fn check_changes(programmed: Option<&ProxyState>, state: &ProxyState, changed: &[PortChange]) -> Result<(), String> {
+    let Some(programmed) = programmed else {
+        return Err("told of changes with nothing programmed".into());
+    };
+    let mut ports: std::collections::BTreeMap<_, _> = programmed
+        .service_ports
+        .iter()
+        .map(|p| (p.port.name.clone(), p.clone()))
+        .collect();
+    for (name, new) in changed {
+        match new {
+            Some(new) => ports.insert(name.clone(), new.clone()),
+            None => ports.remove(name),
+        };
+    }
+    let got: Vec<_> = ports.into_values().collect();
+    let mut want = state.service_ports.clone();
+    want.sort_by(|a, b| a.port.name.cmp(&b.port.name));
+    if got == want {
+        Ok(())
+    } else {
+        Err(format!(
+            "{changed:?} from {:?} gives {got:?}, not {want:?}",
+            programmed.service_ports
+        ))
     }
 }
