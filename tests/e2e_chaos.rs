@@ -22,8 +22,8 @@
 //! what the API server's objects say, plus real traffic to the stable Service.
 //!
 //! Size and lengths (CI defaults in brackets; the 10k figures in the README come from
-//! `CHAOS_SERVICES=10000 CHAOS_OUTAGE=600`): `CHAOS_SERVICES` [2000] Services × `CHAOS_ENDPOINTS`
-//! [10], `CHAOS_OUTAGE` [20] seconds, `CHAOS_PHASE` [12] seconds of churn per phase,
+//! `CHAOS_SERVICES=10000 CHAOS_OUTAGE=600`): `CHAOS_SERVICES` [1000] Services × `CHAOS_ENDPOINTS`
+//! [10], `CHAOS_OUTAGE` [12] seconds, `CHAOS_PHASE` [8] seconds of churn per phase,
 //! `CHAOS_RATE` [20] changes per second, `CHAOS_MODES` [nftables,iptables] (iptables at a fifth of
 //! the size, its syncs being slower).
 
@@ -525,6 +525,7 @@ fn outage(c: &Chaos, churn: &mut Churn, length: Duration) {
         c.api.delete("EndpointSlice", "default", "doomed-x");
         c.api.expire_watches();
         let mut checks = 0;
+        let before = churn.total();
         c.churn_for(churn, length, || {
             c.assert_untouched(&table, syncs, "while the API server is away");
             assert!(
@@ -539,7 +540,8 @@ fn outage(c: &Chaos, churn: &mut Churn, length: Duration) {
         });
         c.assert_untouched(&table, syncs, "at the end of the outage");
         println!(
-            "outage of {length:?}: {checks} checks of the kernel and the traffic; {}",
+            "outage of {length:?}: {checks} checks of the kernel and the traffic; {} changes meanwhile (in all: {})",
+            churn.total() - before,
             churn.summary()
         );
         reset_peak(c.daemon.pid()).expect("resetting VmHWM (needs root)");
@@ -590,10 +592,10 @@ fn slow_and_truncated(c: &Chaos, churn: &mut Churn, length: Duration) {
 
 fn chaos(mode: &str, divisor: u64) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let services = (env_or("CHAOS_SERVICES", 2000) / divisor).max(10) as usize;
+    let services = (env_or("CHAOS_SERVICES", 1000) / divisor).max(10) as usize;
     let endpoints = env_or("CHAOS_ENDPOINTS", 10) as usize;
-    let phase = Duration::from_secs(env_or("CHAOS_PHASE", 12));
-    let outage_for = Duration::from_secs(env_or("CHAOS_OUTAGE", 20));
+    let phase = Duration::from_secs(env_or("CHAOS_PHASE", 8));
+    let outage_for = Duration::from_secs(env_or("CHAOS_OUTAGE", 12));
     let started = Instant::now();
     let mut c = Chaos::start(mode, services, endpoints);
     let mut churn = Churn::new(0x5eed, services, endpoints);

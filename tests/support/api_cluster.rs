@@ -250,6 +250,11 @@ impl Churn {
         }
     }
 
+    /// Changes made so far.
+    pub fn total(&self) -> usize {
+        self.moved + self.deleted + self.created
+    }
+
     pub fn summary(&self) -> String {
         format!(
             "{} endpoints moved, {} Services deleted, {} created",
