@@ -79,6 +79,8 @@ pub struct Cluster {
     pub mode: &'static str,
     /// YAML lines added to the configuration file (e.g. `nodePortAddresses: [...]`).
     pub config_extra: String,
+    /// Flags added to the daemon's command line (e.g. `-v=2`).
+    pub daemon_args: Vec<String>,
 }
 
 impl Cluster {
@@ -105,6 +107,7 @@ impl Cluster {
             daemon: None,
             mode,
             config_extra: String::new(),
+            daemon_args: Vec::new(),
         };
         c.start_daemon();
         c
@@ -231,6 +234,7 @@ impl Cluster {
         args.push(BIN.into());
         args.extend(["--manifests".to_string(), self.dir.0.display().to_string()]);
         args.extend(self.config_flags());
+        args.extend(self.daemon_args.iter().cloned());
         self.bed.spawn_in_node(Path::new("env"), &args).expect("daemon starts")
     }
 
