@@ -135,9 +135,10 @@ impl<'a> Agent<'a> {
             .exec_ok("nft", ["-e", "-a", &rule])
             .unwrap_or_else(|e| panic!("agent: nft {rule}: {e:#}"));
         let handle = out
-            .rsplit("# handle ")
-            .next()
-            .and_then(|h| h.trim().parse().ok())
+            .split("# handle ")
+            .nth(1)
+            .and_then(|h| h.split_whitespace().next())
+            .and_then(|h| h.parse().ok())
             .unwrap_or_else(|| panic!("agent: no handle in {out:?}"));
         self.nft.insert(k, handle);
     }
