@@ -85,7 +85,12 @@ fn drift(c: &Cluster) -> Vec<String> {
                 .stdin(Stdio::piped())
                 .spawn()
                 .expect("nft runs");
-            child.stdin.take().expect("stdin").write_all(text.as_bytes()).expect("write");
+            child
+                .stdin
+                .take()
+                .expect("stdin")
+                .write_all(text.as_bytes())
+                .expect("write");
             assert!(child.wait().expect("wait").success(), "the render applies");
             let out = Command::new("nft")
                 .args(["-j", "list", "table", "ip", "kube-proxy"])
@@ -143,7 +148,9 @@ fn chains(text: &str) -> BTreeMap<String, Vec<String>> {
             out.entry(format!("{table} {chain}")).or_default();
         } else if let Some(rule) = line.strip_prefix("-A ") {
             let chain = rule.split_whitespace().next().unwrap_or_default();
-            out.entry(format!("{table} {chain}")).or_default().push(line.to_string());
+            out.entry(format!("{table} {chain}"))
+                .or_default()
+                .push(line.to_string());
         }
     }
     out
@@ -196,7 +203,12 @@ fn other_agents_rules_survive_full_syncs(mode: &'static str) {
                 ops.push(Instant::now());
                 if agent.ops % 25 == 0 {
                     checks += 1;
-                    problems.extend(agent.check().into_iter().map(|p| format!("after {} writes: {p}", agent.ops)));
+                    problems.extend(
+                        agent
+                            .check()
+                            .into_iter()
+                            .map(|p| format!("after {} writes: {p}", agent.ops)),
+                    );
                 }
             }
             problems.extend(agent.check().into_iter().map(|p| format!("at the end: {p}")));
@@ -205,7 +217,11 @@ fn other_agents_rules_survive_full_syncs(mode: &'static str) {
         });
         let _stop = StopOnDrop(&stop);
         for round in 0..3 {
-            let signal = if round % 2 == 0 { Signal::SIGKILL } else { Signal::SIGTERM };
+            let signal = if round % 2 == 0 {
+                Signal::SIGKILL
+            } else {
+                Signal::SIGTERM
+            };
             let from = stop_daemon(&mut c.daemon, signal);
             let daemon = c.spawn_synced_daemon();
             c.daemon = Some(daemon);
@@ -217,9 +233,11 @@ fn other_agents_rules_survive_full_syncs(mode: &'static str) {
                     .node
                     .exec_ok("iptables", ["-w", "-t", "mangle", "-X", "KUBE-PROXY-CANARY"])
                     .expect("remove the canary");
-                wait_until(Duration::from_secs(SYNC_PERIOD_S * 3 + 30), "a full sync after the canary went", || {
-                    logged(&c, "full=true") > full
-                });
+                wait_until(
+                    Duration::from_secs(SYNC_PERIOD_S * 3 + 30),
+                    "a full sync after the canary went",
+                    || logged(&c, "full=true") > full,
+                );
                 windows.push((from, Instant::now()));
             }
         }
@@ -265,9 +283,12 @@ fn kill_9_in_a_full_sync_converges_without_duplicates_or_stale_rules(mode: &'sta
         let daemon = c.spawn_daemon(&[]);
         c.daemon = Some(daemon);
         let (built, done) = ("\"Built the state\" ipFamily=\"IPv4\"", synced_line(&c));
-        wait_until_every(Duration::from_millis(2), Duration::from_secs(60), "the full sync under way", || {
-            logged(&c, built) > 0 || logged(&c, &done) > 0
-        });
+        wait_until_every(
+            Duration::from_millis(2),
+            Duration::from_secs(60),
+            "the full sync under way",
+            || logged(&c, built) > 0 || logged(&c, &done) > 0,
+        );
         stop_daemon(&mut c.daemon, Signal::SIGKILL);
         let mid = logged(&c, &done) == 0;
         killed_mid_sync += usize::from(mid);
@@ -281,10 +302,17 @@ fn kill_9_in_a_full_sync_converges_without_duplicates_or_stale_rules(mode: &'sta
             assert_web_answers(&c);
         }
         c.start_daemon();
-        assert_converges(&c, Duration::from_secs(10), &format!("round {round}: after the restart"));
+        assert_converges(
+            &c,
+            Duration::from_secs(10),
+            &format!("round {round}: after the restart"),
+        );
         assert_web_answers(&c);
     }
-    assert!(killed_mid_sync >= 2, "{killed_mid_sync} of 3 kills came in the middle of a sync");
+    assert!(
+        killed_mid_sync >= 2,
+        "{killed_mid_sync} of 3 kills came in the middle of a sync"
+    );
 }
 
 /// A wrapper directory for `PATH`: every `iptables-restore` variant runs the real tool
@@ -348,7 +376,11 @@ fn a_failing_iptables_restore_is_retried_in_full_and_counted() {
     let mut c = Cluster::start("restorefail", 2, |b| two_services(b, &[0, 1]));
     let tools = failing_restore_tools();
     stop_daemon(&mut c.daemon, Signal::SIGTERM);
-    let path = format!("PATH={}:{}", tools.0.display(), std::env::var("PATH").unwrap_or_default());
+    let path = format!(
+        "PATH={}:{}",
+        tools.0.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
     let daemon = c.spawn_synced_daemon_with(&[path]);
     c.daemon = Some(daemon);
     std::fs::write(tools.0.join("failures"), "2").expect("arm the wrapper");
@@ -357,11 +389,15 @@ fn a_failing_iptables_restore_is_retried_in_full_and_counted() {
     steady_probe_until(&c, || logged(&c, &synced_line(&c)) > synced);
     let log = c.daemon_log();
     assert_eq!(
-        log.matches("Sync failed; keeping the previous rules and retrying with a full sync").count(),
+        log.matches("Sync failed; keeping the previous rules and retrying with a full sync")
+            .count(),
         2,
         "{log}"
     );
-    assert!(log.contains("injected by the test"), "the tool's error is logged: {log}");
+    assert!(
+        log.contains("injected by the test"),
+        "the tool's error is logged: {log}"
+    );
     assert!(
         log.lines()
             .rev()
@@ -420,22 +456,108 @@ fn a_transaction_the_kernel_rejects_is_retried_in_full_and_counted() {
     assert!(applied > synced, "the change was applied before the deletion failed");
     let log = c.daemon_log();
     assert_eq!(logged(&c, failed), 1, "{log}");
-    assert!(metric(&c, "sync_proxy_rules_nftables_sync_failures_total").ends_with(" 1"), "{log}");
+    assert!(
+        metric(&c, "sync_proxy_rules_nftables_sync_failures_total").ends_with(" 1"),
+        "{log}"
+    );
     let r = c.probe_client(&ProbeArgs::tcp(web()).with_count(1).with_timeout_ms(300));
     assert!(!r.all_ok(), "the deleted Service is gone");
     assert_converges(&c, Duration::from_secs(5), "after the resync");
 }
 
+/// The conntrack entries in the node namespace for `protocol` to `service`, counted by the
+/// endpoint that answers them (the source of their reply direction).
+fn flows_by_endpoint(c: &Cluster, protocol: &str, service: &str) -> BTreeMap<String, usize> {
+    let listed = c
+        .bed
+        .node
+        .exec_ok("conntrack", ["-L", "-p", protocol, "-d", service])
+        .unwrap_or_default();
+    let mut out = BTreeMap::new();
+    for line in listed.lines() {
+        if let Some(reply) = line.split("src=").nth(2).and_then(|r| r.split_whitespace().next()) {
+            *out.entry(reply.to_string()).or_default() += 1;
+        }
+    }
+    out
+}
+
+/// Conntrack entries pointing at a deleted endpoint: its UDP entries are deleted once the
+/// endpoint goes (a client would otherwise keep sending into the void until the entry times
+/// out), those of the endpoint that stays are kept; its TCP entries are left to the kernel,
+/// as upstream leaves them (a terminating endpoint finishes its connections). UDP flows on
+/// new source ports until both endpoints answered some.
+fn conntrack_entries_to_a_deleted_endpoint_are_cleaned(mode: &'static str) {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    const DNS: &str = "10.96.165.40";
+    let both = |b: &Testbed, eps: &[usize]| {
+        let eps: Vec<Ep> = eps.iter().map(|&i| Ep::local(b.endpoint(i).ip)).collect();
+        let mut udp = ServiceSpec::new("dns", DNS, &eps);
+        udp.protocol = "UDP";
+        manifests(&[ServiceSpec::new(PROBED[0].0, PROBED[0].1, &eps), udp])
+    };
+    let c = Cluster::start_in(mode, &format!("ct{}", &mode[..3]), 2, |b| both(b, &[0, 1]));
+    let (gone, kept) = (c.bed.endpoint(0).ip.to_string(), c.bed.endpoint(1).ip.to_string());
+    let to = SocketAddr::new(DNS.parse().expect("ip"), 80);
+    wait_until_every(
+        Duration::ZERO,
+        Duration::from_secs(30),
+        "UDP flows to both endpoints",
+        || {
+            let r = c.probe_client(&ProbeArgs::udp(to).with_count(1).with_timeout_ms(500));
+            assert!(r.all_ok(), "{:?}", r.errors());
+            let f = flows_by_endpoint(&c, "udp", DNS);
+            f.contains_key(&gone) && f.contains_key(&kept)
+        },
+    );
+    assert!(c.probe_client(&ProbeArgs::tcp(web()).with_count(20)).all_ok());
+    let udp = flows_by_endpoint(&c, "udp", DNS);
+    let tcp = flows_by_endpoint(&c, "tcp", PROBED[0].1);
+    println!("before: UDP {udp:?}, TCP {tcp:?}");
+    assert!(
+        tcp.contains_key(&gone),
+        "TCP entries to the endpoint that goes: {tcp:?}"
+    );
+    c.dir.write(&both(&c.bed, &[1]));
+    let took = wait_until(
+        Duration::from_secs(5),
+        "the gone endpoint's UDP entries deleted",
+        || !flows_by_endpoint(&c, "udp", DNS).contains_key(&gone),
+    );
+    println!("UDP entries to the deleted endpoint gone {took:?} after the change");
+    let after = flows_by_endpoint(&c, "udp", DNS);
+    assert_eq!(after.get(&kept), udp.get(&kept), "the live endpoint's UDP entries stay");
+    let tcp_after = flows_by_endpoint(&c, "tcp", PROBED[0].1);
+    assert_eq!(
+        tcp_after.get(&gone),
+        tcp.get(&gone),
+        "TCP entries are left to the kernel"
+    );
+    assert!(
+        logged(&c, "Deleted stale UDP conntrack entries") >= 1,
+        "{}",
+        c.daemon_log()
+    );
+}
+
 fn main() -> std::process::ExitCode {
     let mut tests = Vec::new();
     for mode in ["iptables", "nftables"] {
-        tests.push(test(format!("{mode}_mode::other_agents_rules_survive_full_syncs"), move || {
-            other_agents_rules_survive_full_syncs(mode)
-        }));
+        tests.push(test(
+            format!("{mode}_mode::other_agents_rules_survive_full_syncs"),
+            move || other_agents_rules_survive_full_syncs(mode),
+        ));
         tests.push(test(
             format!("{mode}_mode::kill_9_in_a_full_sync_converges_without_duplicates_or_stale_rules"),
             move || kill_9_in_a_full_sync_converges_without_duplicates_or_stale_rules(mode),
         ));
+        tests.push(
+            test(
+                format!("{mode}_mode::conntrack_entries_to_a_deleted_endpoint_are_cleaned"),
+                move || conntrack_entries_to_a_deleted_endpoint_are_cleaned(mode),
+            )
+            .needs(&[common::harness::Requirement::Tool("conntrack")]),
+        );
     }
     tests.push(test(
         "a_failing_iptables_restore_is_retried_in_full_and_counted",

@@ -46,10 +46,29 @@ impl<'a> Agent<'a> {
     /// Creates the agent's chains (with a jump from PREROUTING and FORWARD, as a CNI has) and
     /// its nftables table.
     pub fn install(ns: &'a Netns, seed: u64) -> Agent<'a> {
-        for (table, chain, from) in [("nat", "AGENT-NAT", "PREROUTING"), ("filter", "AGENT-FILTER", "FORWARD")] {
-            ns.exec_ok("iptables", ["-w", "-t", table, "-N", chain]).expect("agent chain");
-            ns.exec_ok("iptables", ["-w", "-t", table, "-A", from, "-m", "comment", "--comment", &comment(from, 999), "-j", chain])
-                .expect("agent jump");
+        for (table, chain, from) in [
+            ("nat", "AGENT-NAT", "PREROUTING"),
+            ("filter", "AGENT-FILTER", "FORWARD"),
+        ] {
+            ns.exec_ok("iptables", ["-w", "-t", table, "-N", chain])
+                .expect("agent chain");
+            ns.exec_ok(
+                "iptables",
+                [
+                    "-w",
+                    "-t",
+                    table,
+                    "-A",
+                    from,
+                    "-m",
+                    "comment",
+                    "--comment",
+                    &comment(from, 999),
+                    "-j",
+                    chain,
+                ],
+            )
+            .expect("agent jump");
         }
         ns.exec_ok("nft", ["add", "table", "inet", TABLE]).expect("agent table");
         ns.exec_ok(
@@ -77,7 +96,11 @@ impl<'a> Agent<'a> {
     }
 
     fn rule(chain: &str, k: u32) -> Vec<String> {
-        let target = if chain.starts_with("AGENT") || chain == "FORWARD" { "RETURN" } else { "ACCEPT" };
+        let target = if chain.starts_with("AGENT") || chain == "FORWARD" {
+            "RETURN"
+        } else {
+            "ACCEPT"
+        };
         [
             "-s",
             &format!("192.0.2.{k}/32"),
@@ -106,7 +129,16 @@ impl<'a> Agent<'a> {
         let (table, chain) = CHAINS[which];
         let mut args: Vec<String> = ["-w", "-t", table].iter().map(|s| s.to_string()).collect();
         let present = self.iptables[which].contains(&k);
-        args.push(if present { "-D" } else if r & 0x10 != 0 { "-I" } else { "-A" }.into());
+        args.push(
+            if present {
+                "-D"
+            } else if r & 0x10 != 0 {
+                "-I"
+            } else {
+                "-A"
+            }
+            .into(),
+        );
         args.push(chain.into());
         args.extend(Self::rule(chain, k));
         self.ns
@@ -122,7 +154,10 @@ impl<'a> Agent<'a> {
     fn step_nft(&mut self, k: u32) {
         if let Some(handle) = self.nft.remove(&k) {
             self.ns
-                .exec_ok("nft", ["delete", "rule", "inet", TABLE, "input", "handle", &handle.to_string()])
+                .exec_ok(
+                    "nft",
+                    ["delete", "rule", "inet", TABLE, "input", "handle", &handle.to_string()],
+                )
                 .unwrap_or_else(|e| panic!("agent: nft delete rule {k}: {e:#}"));
             return;
         }
@@ -148,10 +183,7 @@ impl<'a> Agent<'a> {
     pub fn check(&self) -> Vec<String> {
         let mut problems = Vec::new();
         for table in ["nat", "filter"] {
-            let saved = self
-                .ns
-                .exec_ok("iptables-save", ["-t", table])
-                .expect("iptables-save");
+            let saved = self.ns.exec_ok("iptables-save", ["-t", table]).expect("iptables-save");
             let mut seen: BTreeMap<(String, u32), usize> = BTreeMap::new();
             for line in saved.lines().filter(|l| l.contains("--comment agent-")) {
                 let chain = line.split_whitespace().nth(1).unwrap_or_default();
@@ -183,7 +215,11 @@ impl<'a> Agent<'a> {
             .unwrap_or_else(|e| format!("no table: {e:#}"));
         let mut handles: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
         for line in listed.lines().filter(|l| l.contains("comment \"agent-nft-")) {
-            let k = line.split("agent-nft-").nth(1).and_then(|c| c.split('"').next()).and_then(|k| k.parse().ok());
+            let k = line
+                .split("agent-nft-")
+                .nth(1)
+                .and_then(|c| c.split('"').next())
+                .and_then(|k| k.parse().ok());
             let h = line.rsplit("# handle ").next().and_then(|h| h.trim().parse().ok());
             if let (Some(k), Some(h)) = (k, h) {
                 handles.entry(k).or_default().push(h);
