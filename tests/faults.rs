@@ -201,7 +201,7 @@ fn other_agents_rules_survive_full_syncs(mode: &'static str) {
             while !stop.load(Ordering::SeqCst) {
                 agent.step();
                 ops.push(Instant::now());
-                if agent.ops % 25 == 0 {
+                if agent.ops.is_multiple_of(25) {
                     checks += 1;
                     problems.extend(
                         agent
@@ -215,7 +215,7 @@ fn other_agents_rules_survive_full_syncs(mode: &'static str) {
             println!("agent: {} writes, {} of its rules at the end", agent.ops, agent.rules());
             (problems, ops, checks)
         });
-        let _stop = StopOnDrop(&stop);
+        let _stop = StopOnDrop(stop);
         for round in 0..3 {
             let signal = if round % 2 == 0 {
                 Signal::SIGKILL
