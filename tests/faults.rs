@@ -16,9 +16,7 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::net::SocketAddr;
-use std::process::{Command, Stdio};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -27,7 +25,6 @@ use common::agent::Agent;
 use common::cluster::{Cluster, NEEDS, SYNC_PERIOD_S, stop_daemon, with_fillers};
 use common::harness::test;
 use common::load::StopOnDrop;
-use common::netns::in_fresh_netns;
 use common::{ManifestDir, http_get, wait_until, wait_until_every};
 use kube_proxy::lab::probe::ProbeArgs;
 use kube_proxy::lab::scenario::{Ep, ServiceSpec, manifests};
@@ -79,25 +76,7 @@ fn drift(c: &Cluster) -> Vec<String> {
             .next()
             .unwrap_or_default()
             .to_string();
-        let want = in_fresh_netns(move || {
-            let mut child = Command::new("nft")
-                .args(["-f", "-"])
-                .stdin(Stdio::piped())
-                .spawn()
-                .expect("nft runs");
-            child
-                .stdin
-                .take()
-                .expect("stdin")
-                .write_all(text.as_bytes())
-                .expect("write");
-            assert!(child.wait().expect("wait").success(), "the render applies");
-            let out = Command::new("nft")
-                .args(["-j", "list", "table", "ip", "kube-proxy"])
-                .output()
-                .expect("nft runs");
-            common::nft::normalised(&out.stdout)
-        });
+        let want = common::nft::applied_in_fresh_netns(text);
         return common::nft::differences(&common::nft::normalised(listed.as_bytes()), &want);
     }
     let want = common::restore_inputs(&rendered)

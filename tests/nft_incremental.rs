@@ -7,9 +7,8 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::net::{IpAddr, Ipv4Addr};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use common::netns::in_fresh_netns;
@@ -102,22 +101,7 @@ fn listing() -> BTreeMap<String, Value> {
 }
 
 fn reference(st: ProxyState) -> BTreeMap<String, Value> {
-    in_fresh_netns(move || {
-        let text = render_transaction(&st, &opts(), true);
-        let mut child = Command::new("nft")
-            .args(["-f", "-"])
-            .stdin(Stdio::piped())
-            .spawn()
-            .expect("nft runs");
-        child
-            .stdin
-            .take()
-            .expect("stdin")
-            .write_all(text.as_bytes())
-            .expect("write");
-        assert!(child.wait().expect("wait").success());
-        listing()
-    })
+    common::nft::applied_in_fresh_netns(render_transaction(&st, &opts(), true))
 }
 
 fn incremental_matches_full_render(backend: fn() -> Box<dyn NftBackend>) {

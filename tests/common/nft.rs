@@ -3,8 +3,23 @@
 //! elements sorted, objects keyed by kind and name, rules kept in order per chain).
 
 use std::collections::BTreeMap;
+use std::process::Command;
 
 use serde_json::Value;
+
+/// `text` applied by `nft -f` in a network namespace of its own (gone afterwards), and the
+/// `ip kube-proxy` table it made, normalised.
+pub fn applied_in_fresh_netns(text: String) -> BTreeMap<String, Value> {
+    super::netns::in_fresh_netns(move || {
+        kube_proxy::nftables::proxier::nft_apply(&text).unwrap_or_else(|e| panic!("{e}"));
+        let out = Command::new("nft")
+            .args(["-j", "list", "table", "ip", "kube-proxy"])
+            .output()
+            .expect("nft runs");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        normalised(&out.stdout)
+    })
+}
 
 /// `json` (the output of `nft -j list table …`), normalised.
 pub fn normalised(json: &[u8]) -> BTreeMap<String, Value> {
