@@ -178,7 +178,9 @@ fn other_agents_rules_survive_full_syncs(mode: &'static str) {
             let mut agent = Agent::install(&bed.node, 0x5eed);
             let (mut problems, mut ops, mut checks) = (Vec::new(), Vec::new(), 0);
             while !stop.load(Ordering::SeqCst) {
-                agent.step();
+                if let Err(lost) = agent.step() {
+                    problems.push(format!("at write {}: {lost}", agent.ops));
+                }
                 ops.push(Instant::now());
                 if agent.ops.is_multiple_of(25) {
                     checks += 1;

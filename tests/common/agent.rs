@@ -117,14 +117,16 @@ impl<'a> Agent<'a> {
     }
 
     /// One write: a rule added (at the top or the end of its chain) or removed, in iptables
-    /// or in the agent's table. A write the kernel refuses is a failure of the test.
-    pub fn step(&mut self) {
+    /// or in the agent's table. A rule it cannot remove was lost: that is the error; any
+    /// other refused write is a failure of the test.
+    pub fn step(&mut self) -> Result<(), String> {
         let r = self.next();
         let k = (r >> 8) as u32 % SLOTS;
         let which = (r % (CHAINS.len() as u64 + 1)) as usize;
         self.ops += 1;
         if which == CHAINS.len() {
-            return self.step_nft(k);
+            self.step_nft(k);
+            return Ok(());
         }
         let (table, chain) = CHAINS[which];
         let mut args: Vec<String> = ["-w", "-t", table].iter().map(|s| s.to_string()).collect();
@@ -141,14 +143,15 @@ impl<'a> Agent<'a> {
         );
         args.push(chain.into());
         args.extend(Self::rule(chain, k));
-        self.ns
-            .exec_ok("iptables", &args)
-            .unwrap_or_else(|e| panic!("agent: iptables {args:?}: {e:#}"));
+        let done = self.ns.exec_ok("iptables", &args);
         if present {
             self.iptables[which].remove(&k);
+            done.map_err(|e| format!("{table} {chain}: rule {k} lost (removing it failed: {e:#})"))?;
         } else {
+            done.unwrap_or_else(|e| panic!("agent: iptables {args:?}: {e:#}"));
             self.iptables[which].insert(k);
         }
+        Ok(())
     }
 
     fn step_nft(&mut self, k: u32) {

@@ -27,6 +27,9 @@ pub const NEEDS: &[Requirement] = &[
 ];
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_kube-proxy");
+/// How long a started daemon may take to its first sync: a deadline, long enough for
+/// thousands of Services in a debug build on a loaded machine.
+pub const FIRST_SYNC_TIMEOUT: Duration = Duration::from_secs(60);
 /// The daemon's sync period in these beds (short, so that repairs are quick).
 pub const SYNC_PERIOD_S: u64 = 2;
 
@@ -180,7 +183,7 @@ impl Cluster {
             daemon
                 .wait_for_log(
                     &format!("\"Synced rules\" mode=\"{}\" ipFamily=\"{family}\"", self.mode),
-                    Duration::from_secs(20),
+                    FIRST_SYNC_TIMEOUT,
                 )
                 .expect("first sync");
         }
