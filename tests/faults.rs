@@ -11,7 +11,9 @@
 //!
 //! `KUBE_PROXY_FAULT_SERVICES` sets how many Services the agent and kill tests run with
 //! (default 1,000, which splits an iptables full sync into several restores; 10,000 is the
-//! issue's size: `KUBE_PROXY_FAULT_SERVICES=10000 cargo test --test faults`).
+//! issue's size, best tried in a release build: a debug one's first sync at 10,000 can take
+//! longer than the 60 s deadline: `KUBE_PROXY_FAULT_SERVICES=10000 cargo test --release --test
+//! faults`).
 
 mod common;
 
