@@ -87,7 +87,7 @@ use kube_proxy::iptables::IptablesRenderOptions;
 use kube_proxy::iptables::backend::Backend;
 use kube_proxy::iptables::exec::Exec;
 use kube_proxy::iptables::proxier::IptablesProxier;
-use kube_proxy::lab::netns::{ChildGuard, Netns};
+use kube_proxy::lab::netns::{ChildGuard, Netns, memory_kib};
 use kube_proxy::lab::scenario::NODE;
 use kube_proxy::lab::testbed::{POD_CIDR, Testbed, TestbedSpec};
 use kube_proxy::model::{Endpoint, IpFamily, NodeInfo, ProxyState, build_state, synthetic};
@@ -623,19 +623,6 @@ fn write_manifests(dir: &Path, state: &ProxyState) -> usize {
     files
 }
 
-/// `VmRSS` and `VmHWM` of a process, in KiB.
-fn rss_kib(pid: u32) -> (u64, u64) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc/PID/status");
-    let get = |key: &str| {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(key))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-            .unwrap_or_else(|| panic!("no {key} in /proc/{pid}/status"))
-    };
-    (get("VmRSS:"), get("VmHWM:"))
-}
-
 struct RssRow {
     mode: Mode,
     rss_kib: u64,
@@ -779,7 +766,7 @@ fn rss_case(mode: Mode, dir: &Path, services: usize, files: usize, changes: usiz
         .map_or_else(|| "?".to_string(), |v| format!("{v:.0}"));
     let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
     assert_eq!(comm.trim(), "kube-proxy", "pid {pid} is the daemon itself");
-    let (rss_kib, hwm_kib) = rss_kib(pid);
+    let (rss_kib, hwm_kib) = memory_kib(pid);
     progress(format!(
         "first sync of {families} after {}; VmRSS {} MiB, VmHWM {} MiB",
         secs(to_synced),
@@ -788,7 +775,7 @@ fn rss_case(mode: Mode, dir: &Path, services: usize, files: usize, changes: usiz
     ));
     progress(format!("its log: {}", line.trim()));
     let live = live_changes(&daemon, dir, files, changes);
-    let (rss_after_kib, _) = self::rss_kib(pid);
+    let (rss_after_kib, _) = memory_kib(pid);
     if let (Some(first), Some(last)) = (live.first(), live.last()) {
         progress(format!(
             "{changes} live endpoint changes: manifest rename -> IPv4 sync logged in {} .. {}; VmRSS {} MiB",

@@ -1,7 +1,7 @@
 //! Proves the test API server (`tests/support/apiserver.rs`) speaks the protocol of the real
 //! kube-rs client: lists with selectors and paging, the runtime watcher's list/watch/relist
-//! cycle, raw watch streams (bookmarks, 410, timeouts, cut connections), outages, delays and
-//! event recording. No root needed; every test is bounded by a timeout.
+//! cycle, raw watch streams (bookmarks, 410, timeouts, cut connections), outages, delays, truncated
+//! responses and event recording. No root needed; every test is bounded by a timeout.
 
 #[path = "support/apiserver/mod.rs"]
 mod apiserver;
@@ -537,6 +537,77 @@ async fn unavailable_fails_requests_and_the_watcher_recovers() -> Result<()> {
         assert_eq!(
             keys(&api.list(&ListParams::default()).await?.items),
             ["default/a", "default/b"]
+        );
+        task.abort();
+        Ok(())
+    })
+    .await
+}
+
+#[tokio::test]
+async fn truncated_responses_fail_mid_object_and_the_watcher_recovers() -> Result<()> {
+    bounded(async {
+        let server = ApiServer::start();
+        for i in 0..3 {
+            server.apply(svc("default", &format!("s{i}"), &[]));
+        }
+        let client = client(&server).await?;
+        let api = Api::<Service>::all(client.clone());
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let watched = api.clone();
+        let task = tokio::spawn(async move {
+            let mut w = watcher(watched, watcher::Config::default()).backoff(Fast).boxed();
+            while let Some(ev) = w.next().await {
+                let ev = ev.map(|e| describe(&e)).map_err(|e| e.to_string());
+                if tx.send(ev).is_err() {
+                    break;
+                }
+            }
+        });
+        for want in [
+            "Init", "InitApply(default/s0)", "InitApply(default/s1)", "InitApply(default/s2)", "InitDone",
+        ] {
+            assert_eq!(rx.recv().await.context("watcher ended")?, Ok(want.to_string()));
+        }
+        server.set_truncated(true);
+        // A list gets half a body and fails; so does a single GET.
+        let failed = api.list(&ListParams::default()).await;
+        eprintln!("a truncated list fails with: {:?}", failed.as_ref().err());
+        ensure!(failed.is_err(), "a truncated list succeeded");
+        ensure!(api.get("s0").await.is_err(), "a truncated GET succeeded");
+        // The open watch is cut at its next event (half a line): an error, no event.
+        server.apply(svc("default", "s3", &[]));
+        match rx.recv().await.context("watcher ended")? {
+            Err(e) => eprintln!("a truncated watch event: {e}"),
+            Ok(ev) => bail!("{ev} from a truncated watch"),
+        }
+        // A relist while responses are truncated never completes: no InitDone, so a client
+        // never takes half a list for the whole one.
+        let lists = || server.requests().iter().filter(|r| !r.contains("watch=")).count();
+        let before = lists();
+        server.expire_watches();
+        server.delete("Service", "default", "s1");
+        let until = Instant::now() + Duration::from_millis(1500);
+        while let Ok(ev) = tokio::time::timeout_at(until.into(), rx.recv()).await {
+            let ev = ev.context("watcher ended")?;
+            ensure!(
+                !matches!(&ev, Ok(e) if e.contains("InitDone") || e.starts_with("Apply")),
+                "{ev:?} while truncated"
+            );
+        }
+        ensure!(
+            lists() > before + 1,
+            "the 410 went through whole and the watcher relisted"
+        );
+        server.set_truncated(false);
+        loop {
+            if rx.recv().await.context("watcher ended")? == Ok("InitDone".into()) {
+                break;
+            }
+        }
+        assert_eq!(
+            keys(&api.list(&ListParams::default()).await?.items),
+            ["default/s0", "default/s2", "default/s3"]
         );
         task.abort();
         Ok(())

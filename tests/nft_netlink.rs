@@ -428,6 +428,7 @@ fn reads_back_as_built(what: &str, txs: &[Transaction]) {
         let scope = ReadScope::Some {
             chains: vec![chain.clone(), "no-such-chain".into()],
             maps: vec![map.clone()],
+            keyed: Vec::new(),
         };
         let (some, _) = in_netns(ns.name(), || NftSocket::new().expect("socket").read(family, &scope))
             .expect("reads")
@@ -435,6 +436,29 @@ fn reads_back_as_built(what: &str, txs: &[Transaction]) {
         assert_eq!(some.chains.keys().collect::<Vec<_>>(), vec![chain], "{what}");
         assert_eq!(lines(&some, chain), lines(&want, chain), "{what}: chain {chain}");
         assert_eq!(some.sets[map].elements, want.sets[map].elements, "{what}: set {map}");
+    }
+    // Elements by key: of a set without intervals just those asked for (a key that is not
+    // there gives nothing), of one with intervals all.
+    for (name, set) in &want.sets {
+        let Some(key) = set.elements.keys().next() else {
+            continue;
+        };
+        let absent = kube_proxy::nftables::ast::ElemKey::ProtoPort(kube_proxy::model::Protocol::Sctp, 1);
+        let scope = ReadScope::Some {
+            chains: Vec::new(),
+            maps: Vec::new(),
+            keyed: vec![(name.clone(), vec![key.clone(), absent])],
+        };
+        let (some, _) = in_netns(ns.name(), || NftSocket::new().expect("socket").read(family, &scope))
+            .expect("reads")
+            .expect("a table");
+        let got: Vec<_> = some.sets[name].elements.keys().collect();
+        if set.decl.interval() {
+            assert_eq!(some.sets[name].elements, set.elements, "{what}: set {name} whole");
+        } else {
+            assert_eq!(got, vec![key], "{what}: set {name} by key");
+            assert_eq!(some.sets[name].elements[key], set.elements[key], "{what}: set {name}");
+        }
     }
 }
 

@@ -502,3 +502,23 @@ impl Drop for ChildGuard {
         }
     }
 }
+
+/// `VmRSS` and `VmHWM` (the peak) of process `pid`, in KiB, from `/proc/PID/status`; panics if
+/// it cannot be read (the lab's and the benchmarks' own children).
+pub fn memory_kib(pid: u32) -> (u64, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc/PID/status");
+    let get = |key: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("no {key} in /proc/{pid}/status"))
+    };
+    (get("VmRSS:"), get("VmHWM:"))
+}
+
+/// Resets the peak RSS (`VmHWM`) of process `pid` to its current RSS (`5` into
+/// `/proc/PID/clear_refs`, root only), so that a later `VmHWM` is the peak of what came after.
+pub fn reset_peak(pid: u32) -> std::io::Result<()> {
+    std::fs::write(format!("/proc/{pid}/clear_refs"), "5")
+}

@@ -922,11 +922,17 @@ impl Proxier for NftProxier {
             what: port.name.to_string(),
             message: e.to_string(),
         };
-        // The port's own chains, the maps and sets that hold its elements (with the
-        // `service-endpoints-…` maps its rules look up), then the endpoint chains they lead to.
+        // The port's own chains (with the `service-endpoints-…` maps their rules look up),
+        // its elements of the dispatch maps and reject sets by key, then the endpoint chains
+        // they lead to and its endpoints' `hairpin-endpoints` elements.
+        let keys = readback::element_keys(port);
         let scope = ReadScope::Some {
             chains: readback::own_chains(port),
-            maps: readback::element_sets().map(str::to_string).collect(),
+            maps: Vec::new(),
+            keyed: readback::element_sets()
+                .filter(|s| *s != HAIRPIN_ENDPOINTS)
+                .map(|s| (s.to_string(), keys.clone()))
+                .collect(),
         };
         let Some((first, mut foreign)) = self.backend.read(self.family, &scope).map_err(err)? else {
             return Ok(Programmed::default());
@@ -936,14 +942,21 @@ impl Proxier for NftProxier {
             .flat_map(|s| s.lines.iter())
             .flat_map(|l| readback::endpoint_chains(std::slice::from_ref(l)))
             .collect();
+        let hairpin = readback::hairpin_keys(&first, port);
         let mut table = first;
-        if !endpoints.is_empty() {
+        if !endpoints.is_empty() || !hairpin.is_empty() {
             let scope = ReadScope::Some {
                 chains: endpoints,
                 maps: Vec::new(),
+                keyed: vec![(HAIRPIN_ENDPOINTS.to_string(), hairpin)],
             };
             if let Some((more, f)) = self.backend.read(self.family, &scope).map_err(err)? {
                 table.chains.extend(more.chains);
+                for (name, set) in more.sets {
+                    if let Some(s) = table.sets.get_mut(&name) {
+                        s.elements.extend(set.elements);
+                    }
+                }
                 foreign.extend(f);
             }
         }

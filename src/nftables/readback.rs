@@ -171,6 +171,18 @@ pub fn element_keys(port: &ServicePort) -> Vec<ElemKey> {
 /// `service-endpoints-…` map is one shard of a protocol's): cheap for every port of a large
 /// table.
 pub fn sections(ruleset: &Ruleset, port: &ServicePort) -> Vec<ProgrammedSection> {
+    sections_and_endpoints(ruleset, port).0
+}
+
+/// The keys of `port`'s `hairpin-endpoints` elements: one per endpoint address among its
+/// intervals of the `service-endpoints-…` maps in `ruleset`.
+pub fn hairpin_keys(ruleset: &Ruleset, port: &ServicePort) -> Vec<ElemKey> {
+    let (_, endpoints) = sections_and_endpoints(ruleset, port);
+    endpoints.into_iter().map(|ip| ElemKey::AddrPair(ip, ip)).collect()
+}
+
+/// [`sections`], and the endpoint addresses of the port's intervals.
+fn sections_and_endpoints(ruleset: &Ruleset, port: &ServicePort) -> (Vec<ProgrammedSection>, Vec<IpAddr>) {
     let family = ruleset.family;
     let place = |kind: &str, name: &str| format!("{} {TABLE} {kind} {name}", family_keyword(family));
     let line = |e: &Element| match &e.value {
@@ -265,7 +277,7 @@ pub fn sections(ruleset: &Ruleset, port: &ServicePort) -> Vec<ProgrammedSection>
             });
         }
     }
-    out
+    (out, endpoints)
 }
 
 #[cfg(test)]

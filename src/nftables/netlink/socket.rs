@@ -19,6 +19,7 @@ use super::encode::{self, AnonSetNames, CheckError, EncodedBatch};
 use super::wire::*;
 use crate::model::IpFamily;
 use crate::netlink::{self, MsgBuf, NLM_F_ACK, NLM_F_REQUEST, NLMSG_DONE, NLMSG_ERROR};
+use crate::nftables::ast::ElemKey;
 use crate::nftables::ast::Transaction;
 use crate::nftables::backend::TableObjects;
 use crate::nftables::names::TABLE;
@@ -476,21 +477,70 @@ impl NftSocket {
                 w
             }
         };
-        let present: Vec<String> = sets
+        // Name, whether with intervals, key length.
+        let present: Vec<(String, bool, u32)> = sets
             .iter()
             .filter_map(|(_, m)| decode::set(m, family))
-            .map(|s| s.decl.name)
+            .map(|s| {
+                let key_len = encode::set_signature(family, &s.decl).key_len;
+                (s.decl.name.clone(), s.decl.interval(), key_len)
+            })
             .collect();
+        let interval = |name: &str| present.iter().find(|(n, ..)| n == name).map(|(_, i, _)| *i);
+        let mut by_key: Vec<(&str, Vec<&ElemKey>)> = Vec::new();
+        let mut wanted = wanted;
+        if let ReadScope::Some { keyed, .. } = scope {
+            for (name, keys) in keyed {
+                match present.iter().find(|(n, ..)| n == name) {
+                    // Keys of another shape are not in the set (the kernel would refuse them).
+                    Some((_, false, len)) => by_key.push((
+                        name,
+                        keys.iter()
+                            .filter(|k| encode::key_bytes(k).len() == *len as usize)
+                            .collect(),
+                    )),
+                    Some((_, true, _)) => wanted.push(name.clone()),
+                    None => {}
+                }
+            }
+        }
         messages.extend(chains);
         messages.extend(sets);
-        for name in wanted.iter().filter(|n| present.contains(n)) {
+        let mut dumped: Vec<&str> = Vec::new();
+        for name in wanted.iter().filter(|n| interval(n).is_some()) {
+            if dumped.contains(&name.as_str()) {
+                continue;
+            }
+            dumped.push(name);
             messages.extend(self.dump(family, NFT_MSG_GETSETELEM, |b| {
                 b.put_str(NFTA_SET_ELEM_LIST_TABLE, TABLE);
                 b.put_str(NFTA_SET_ELEM_LIST_SET, name);
             })?);
         }
+        for (name, keys) in by_key.into_iter().filter(|(n, _)| !dumped.contains(n)) {
+            for key in keys {
+                messages.extend(self.element(family, name, key)?);
+            }
+        }
         messages.extend(rules);
         Ok(Some(decode::table(family, &messages)))
+    }
+
+    /// The element of `key` in the set `set` (`GETSETELEM` with that key), if it is there.
+    fn element(&mut self, family: IpFamily, set: &str, key: &ElemKey) -> io::Result<Option<(u16, Vec<u8>)>> {
+        let (seq, req) = self.request(family, NFT_MSG_GETSETELEM, false, |b| {
+            b.put_str(NFTA_SET_ELEM_LIST_TABLE, TABLE);
+            b.put_str(NFTA_SET_ELEM_LIST_SET, set);
+            let list = b.nest_start(NFTA_SET_ELEM_LIST_ELEMENTS);
+            let elem = b.nest_start(1);
+            let k = b.nest_start(NFTA_SET_ELEM_KEY);
+            b.put(NFTA_DATA_VALUE, &encode::key_bytes(key));
+            b.nest_end(k);
+            b.nest_end(elem);
+            b.nest_end(list);
+        });
+        let reply = netlink::get(&self.socket, &mut self.buf, &req, seq)?;
+        Ok(reply.map(|m| (nft_type(NFT_MSG_NEWSETELEM), m)))
     }
 
     /// Reads every queued datagram without blocking, handing each message to `each`.
@@ -507,10 +557,13 @@ impl NftSocket {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ReadScope {
     Whole,
-    /// These chains (their rules) and maps (their elements).
+    /// These chains (their rules) and maps (their elements), and of the sets in `keyed` the
+    /// elements of these keys only (one `GETSETELEM` each: a port's few elements of sets of
+    /// 100,000 at 10,000 Services × 10 endpoints; a set with intervals is read whole).
     Some {
         chains: Vec<String>,
         maps: Vec<String>,
+        keyed: Vec<(String, Vec<ElemKey>)>,
     },
 }
 

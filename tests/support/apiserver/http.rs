@@ -25,7 +25,35 @@ pub(super) async fn handle(
     if !delay.is_zero() {
         tokio::time::sleep(delay).await;
     }
-    route(&sh, &method, uri.path(), &Query(query), &headers, &body)
+    let query = Query(query);
+    let watch = matches!(query.get("watch"), Some("true" | "1"));
+    let response = route(&sh, &method, uri.path(), &query, &headers, &body);
+    // Watch streams cut themselves (see `WatchStream::next_chunk`).
+    if method == Method::GET && !watch && response.status() == StatusCode::OK && sh.lock().truncated {
+        return truncated(response).await;
+    }
+    response
+}
+
+/// `response` with the `Content-Length` of its whole body and only the first half of it sent,
+/// then the connection aborted.
+async fn truncated(response: Response) -> Response {
+    let (mut parts, body) = response.into_parts();
+    let Ok(bytes) = axum::body::to_bytes(body, usize::MAX).await else {
+        return status(StatusCode::INTERNAL_SERVER_ERROR, "InternalError", "body");
+    };
+    parts
+        .headers
+        .insert(header::CONTENT_LENGTH, header::HeaderValue::from(bytes.len()));
+    let half = bytes.slice(..bytes.len() / 2);
+    let chunks: [Result<Bytes, io::Error>; 2] = [
+        Ok(half),
+        Err(io::Error::new(
+            io::ErrorKind::ConnectionAborted,
+            "response truncated by the test API server",
+        )),
+    ];
+    Response::from_parts(parts, Body::from_stream(futures::stream::iter(chunks)))
 }
 
 pub(super) fn route(

@@ -43,6 +43,10 @@
 //!   watcher; connection errors are not retried there, so they surface at once and the
 //!   watcher's own backoff paces the retries.
 //! - [`ApiServer::set_delay`]: every response is held back by the given time.
+//! - [`ApiServer::set_truncated`]: while on, every GET and LIST answer promises its whole body
+//!   (`Content-Length`) and sends half of it before the connection is aborted, and every watch
+//!   stream sends the first half of its next event with an object and is aborted, as when a
+//!   proxy or a load balancer in front of the API server dies mid-response.
 //! - [`ApiServer::require_token`]: requests without the bearer token get 401.
 //!
 //! Here: the handle and the stored state. Beside it: `http` (routing, GET, LIST, event writes),
@@ -410,6 +414,16 @@ preferences: {{}}
         self.shared.lock().delay = delay;
     }
 
+    /// While `true`, responses are cut in the middle of an object: a GET or LIST answer sends
+    /// half of the body its `Content-Length` promises, then the connection is aborted; a watch
+    /// stream sends half of its next ADDED, MODIFIED or DELETED event, then is aborted (ERROR
+    /// and BOOKMARK events, short, go whole: a 410 still reaches the client, which relists).
+    /// Watches already open are cut at their next event.
+    pub fn set_truncated(&self, truncated: bool) {
+        self.shared.lock().truncated = truncated;
+        self.shared.notify();
+    }
+
     /// How often watches that allow bookmarks get one (default 1 s); applies to new watches.
     pub fn set_bookmark_interval(&self, every: Duration) {
         self.shared.lock().bookmark_interval = every;
@@ -475,6 +489,7 @@ impl Shared {
                 events: Vec::new(),
                 requests: Vec::new(),
                 delay: Duration::ZERO,
+                truncated: false,
                 bookmark_interval: Duration::from_secs(1),
                 token: None,
                 snapshots: BTreeMap::new(),
@@ -513,6 +528,8 @@ struct State {
     events: Vec<Value>,
     requests: Vec<String>,
     delay: Duration,
+    /// See [`ApiServer::set_truncated`].
+    truncated: bool,
     bookmark_interval: Duration,
     /// When set, a request without `Authorization: Bearer <this>` gets 401.
     token: Option<String>,

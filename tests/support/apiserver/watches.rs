@@ -43,6 +43,7 @@ pub(super) fn start_watch(sh: &Arc<Shared>, res: &'static Resource, ns: Option<S
         drop_gen: st.drop_gen,
         changed,
         done: false,
+        cut: false,
     };
     match from {
         Some(rv) if rv < st.compacted => {
@@ -97,12 +98,30 @@ pub(super) struct WatchStream {
     drop_gen: u64,
     changed: watch::Receiver<u64>,
     done: bool,
+    /// Half an event line was sent: the stream ends with an error.
+    cut: bool,
 }
 
 impl WatchStream {
     pub(super) async fn next_chunk(mut self) -> Option<(Result<Bytes, io::Error>, WatchStream)> {
         loop {
+            if self.cut {
+                self.done = true;
+                return Some((
+                    Err(io::Error::new(
+                        io::ErrorKind::ConnectionAborted,
+                        "watch event truncated by the test API server",
+                    )),
+                    self,
+                ));
+            }
             if let Some(line) = self.pending.pop_front() {
+                if self.shared.lock().truncated && carries_object(&line) {
+                    // Half an event, then the connection aborted (the next call).
+                    self.cut = true;
+                    self.pending.clear();
+                    return Some((Ok(line.slice(..line.len() / 2)), self));
+                }
                 return Some((Ok(line), self));
             }
             if self.done {
@@ -214,4 +233,11 @@ pub(super) fn event_line(ty: &str, object: &Value) -> Bytes {
     let mut line = serde_json::to_vec(&json!({ "type": ty, "object": object })).expect("JSON");
     line.push(b'\n');
     Bytes::from(line)
+}
+
+/// Whether a watch event line carries an object (ADDED, MODIFIED, DELETED), not a `Status`
+/// (ERROR) or a bookmark.
+fn carries_object(line: &[u8]) -> bool {
+    let has = |needle: &[u8]| line.windows(needle.len()).any(|w| w == needle);
+    !has(br#""type":"ERROR""#) && !has(br#""type":"BOOKMARK""#)
 }
