@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use common::netns::in_fresh_netns;
 use kube_proxy::config::LocalDetector;
+use kube_proxy::lab::soak::drift::nft_objects;
 use kube_proxy::model::{
     Endpoint, IpFamily, NodeInfo, Protocol, ProxyState, ServicePort, ServicePortName, ServicePortState,
 };
@@ -91,57 +92,16 @@ fn state(seed: u64) -> ProxyState {
     }
 }
 
-/// `nft -j list table ip kube-proxy`, normalised: handles dropped, set elements sorted,
-/// objects keyed by kind and name, rules kept in order per chain.
+/// `nft -j list table ip kube-proxy`, normalised as the soak's drift check compares it:
+/// handles dropped, set elements sorted, objects keyed by kind and name, rules kept in order
+/// per chain.
 fn listing() -> BTreeMap<String, Value> {
     let out = Command::new("nft")
         .args(["-j", "list", "table", "ip", "kube-proxy"])
         .output()
         .expect("nft runs");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let v: Value = serde_json::from_slice(&out.stdout).expect("nft -j prints JSON");
-    fn strip(v: &mut Value) {
-        match v {
-            Value::Object(m) => {
-                m.remove("handle");
-                for (k, val) in m.iter_mut() {
-                    strip(val);
-                    if k == "elem"
-                        && let Value::Array(a) = val
-                    {
-                        a.sort_by_key(|e| e.to_string());
-                    }
-                }
-            }
-            Value::Array(a) => a.iter_mut().for_each(strip),
-            _ => {}
-        }
-    }
-    let mut out = BTreeMap::new();
-    let mut rules: BTreeMap<String, Vec<Value>> = BTreeMap::new();
-    for mut obj in v["nftables"].as_array().cloned().unwrap_or_default() {
-        strip(&mut obj);
-        let Some((kind, body)) = obj.as_object().and_then(|m| m.iter().next()) else {
-            continue;
-        };
-        match kind.as_str() {
-            "metainfo" => {}
-            "rule" => rules
-                .entry(body["chain"].as_str().unwrap_or_default().to_string())
-                .or_default()
-                .push(body.clone()),
-            _ => {
-                out.insert(
-                    format!("{kind} {}", body["name"].as_str().unwrap_or_default()),
-                    body.clone(),
-                );
-            }
-        }
-    }
-    for (chain, rs) in rules {
-        out.insert(format!("rules {chain}"), Value::Array(rs));
-    }
-    out
+    nft_objects(&String::from_utf8_lossy(&out.stdout)).expect("nft -j prints JSON")
 }
 
 fn reference(st: ProxyState) -> BTreeMap<String, Value> {
