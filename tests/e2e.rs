@@ -14,7 +14,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use common::cluster::{BIN, Cluster, NEEDS, SYNC_PERIOD_S, names_endpoint, stop_daemon};
+use common::cluster::{BIN, Cluster, NEEDS, SYNC_PERIOD_S, names_endpoint, stop_daemon, with_fillers};
 use common::harness::{Requirement, test};
 use common::load::{StopOnDrop, connect_until};
 use common::wait_until;
@@ -692,22 +692,7 @@ const RESTART_PROBED: [(&str, &str); 3] = [
 const RESTART_FILLERS: usize = 4000;
 
 fn restart_manifests(b: &Testbed) -> String {
-    let eps: Vec<Ep> = b.endpoints().iter().map(|e| local(e.ip)).collect();
-    let one = [local(b.endpoint(0).ip)];
-    let fillers: Vec<(String, String)> = (0..RESTART_FILLERS)
-        .map(|i| {
-            (
-                format!("mmm-fill-{i:04}"),
-                format!("10.96.{}.{}", 10 + i / 250, 1 + i % 250),
-            )
-        })
-        .collect();
-    let mut specs: Vec<ServiceSpec> = RESTART_PROBED
-        .iter()
-        .map(|(n, ip)| ServiceSpec::new(n, ip, &eps))
-        .collect();
-    specs.extend(fillers.iter().map(|(n, ip)| ServiceSpec::new(n, ip, &one)));
-    manifests(&specs)
+    with_fillers(b, &RESTART_PROBED, 0..RESTART_FILLERS)
 }
 
 /// nftables mode: the daemon killed (SIGKILL) and restarted twice, with 4,003 Services, while

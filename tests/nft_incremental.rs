@@ -7,14 +7,12 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::net::{IpAddr, Ipv4Addr};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use common::netns::in_fresh_netns;
 use kube_proxy::config::LocalDetector;
-use kube_proxy::lab::soak::drift::nft_objects;
 use kube_proxy::model::{
     Endpoint, IpFamily, NodeInfo, Protocol, ProxyState, ServicePort, ServicePortName, ServicePortState,
 };
@@ -92,35 +90,18 @@ fn state(seed: u64) -> ProxyState {
     }
 }
 
-/// `nft -j list table ip kube-proxy`, normalised as the soak's drift check compares it:
-/// handles dropped, set elements sorted, objects keyed by kind and name, rules kept in order
-/// per chain.
+/// `nft -j list table ip kube-proxy`, normalised (see [`common::nft`]).
 fn listing() -> BTreeMap<String, Value> {
     let out = Command::new("nft")
         .args(["-j", "list", "table", "ip", "kube-proxy"])
         .output()
         .expect("nft runs");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    nft_objects(&String::from_utf8_lossy(&out.stdout)).expect("nft -j prints JSON")
+    common::nft::normalised(&out.stdout)
 }
 
 fn reference(st: ProxyState) -> BTreeMap<String, Value> {
-    in_fresh_netns(move || {
-        let text = render_transaction(&st, &opts(), true);
-        let mut child = Command::new("nft")
-            .args(["-f", "-"])
-            .stdin(Stdio::piped())
-            .spawn()
-            .expect("nft runs");
-        child
-            .stdin
-            .take()
-            .expect("stdin")
-            .write_all(text.as_bytes())
-            .expect("write");
-        assert!(child.wait().expect("wait").success());
-        listing()
-    })
+    common::nft::applied_in_fresh_netns(render_transaction(&st, &opts(), true))
 }
 
 fn incremental_matches_full_render(backend: fn() -> Box<dyn NftBackend>) {

@@ -27,6 +27,9 @@ pub const NEEDS: &[Requirement] = &[
 ];
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_kube-proxy");
+/// How long a started daemon may take to its first sync: a deadline, long enough for
+/// thousands of Services in a debug build on a loaded machine.
+pub const FIRST_SYNC_TIMEOUT: Duration = Duration::from_secs(60);
 /// The daemon's sync period in these beds (short, so that repairs are quick).
 pub const SYNC_PERIOD_S: u64 = 2;
 
@@ -49,6 +52,27 @@ pub fn stop_daemon(daemon: &mut Option<ChildGuard>, signal: nix::sys::signal::Si
     at
 }
 
+/// Manifests with the `probed` Services (name, ClusterIP) on every endpoint of the bed and,
+/// between them in the sync order, one-endpoint Services `fill-NNNNN` for each index of
+/// `fillers` (ClusterIP 10.96.<10 + i / 250>.<1 + i % 250>: an index keeps its address
+/// whatever the range, so two ranges make two states with Services in common).
+pub fn with_fillers(b: &Testbed, probed: &[(&str, &str)], fillers: std::ops::Range<usize>) -> String {
+    use kube_proxy::lab::scenario::{Ep, ServiceSpec, manifests};
+    let eps: Vec<Ep> = b.endpoints().iter().map(|e| Ep::local(e.ip)).collect();
+    let one = [Ep::local(b.endpoint(0).ip)];
+    let fillers: Vec<(String, String)> = fillers
+        .map(|i| (filler(i), format!("10.96.{}.{}", 10 + i / 250, 1 + i % 250)))
+        .collect();
+    let mut specs: Vec<ServiceSpec> = probed.iter().map(|(n, ip)| ServiceSpec::new(n, ip, &eps)).collect();
+    specs.extend(fillers.iter().map(|(n, ip)| ServiceSpec::new(n, ip, &one)));
+    manifests(&specs)
+}
+
+/// The name of filler Service `i` of [`with_fillers`].
+pub fn filler(i: usize) -> String {
+    format!("mmm-fill-{i:05}")
+}
+
 pub struct Cluster {
     pub bed: Testbed,
     pub dir: ManifestDir,
@@ -58,6 +82,8 @@ pub struct Cluster {
     pub mode: &'static str,
     /// YAML lines added to the configuration file (e.g. `nodePortAddresses: [...]`).
     pub config_extra: String,
+    /// Flags added to the daemon's command line (e.g. `-v=2`).
+    pub daemon_args: Vec<String>,
 }
 
 impl Cluster {
@@ -84,6 +110,7 @@ impl Cluster {
             daemon: None,
             mode,
             config_extra: String::new(),
+            daemon_args: Vec::new(),
         };
         c.start_daemon();
         c
@@ -140,7 +167,12 @@ impl Cluster {
 
     /// Starts the daemon in `self.mode` and waits for its first sync of every family.
     pub fn spawn_synced_daemon(&self) -> ChildGuard {
-        let daemon = self.spawn_daemon(&[]);
+        self.spawn_synced_daemon_with(&[])
+    }
+
+    /// [`Cluster::spawn_synced_daemon`] with `env` settings (see [`Cluster::spawn_daemon`]).
+    pub fn spawn_synced_daemon_with(&self, env: &[String]) -> ChildGuard {
+        let daemon = self.spawn_daemon(env);
         // Each family syncs on its own: a test may start once all of them did.
         let families: &[&str] = if self.bed.has_ipv6() {
             &["IPv4", "IPv6"]
@@ -151,7 +183,7 @@ impl Cluster {
             daemon
                 .wait_for_log(
                     &format!("\"Synced rules\" mode=\"{}\" ipFamily=\"{family}\"", self.mode),
-                    Duration::from_secs(20),
+                    FIRST_SYNC_TIMEOUT,
                 )
                 .expect("first sync");
         }
@@ -205,6 +237,7 @@ impl Cluster {
         args.push(BIN.into());
         args.extend(["--manifests".to_string(), self.dir.0.display().to_string()]);
         args.extend(self.config_flags());
+        args.extend(self.daemon_args.iter().cloned());
         self.bed.spawn_in_node(Path::new("env"), &args).expect("daemon starts")
     }
 

@@ -1,14 +1,18 @@
 //! Helpers shared by the integration tests: running the real binary on scenario files, the
 //! states the scenarios make, looking up tools, polling with a deadline, manifest directories;
 //! network namespaces ([`netns`]), the harness of the tests that need root or a kernel
-//! feature ([`harness`]), and the connection load of the mode-switch tests ([`load`]).
+//! feature ([`harness`]), the connection load of the mode-switch tests ([`load`]), a
+//! simulated agent writing rules beside ours ([`agent`]) and nftables listings compared
+//! ([`nft`]).
 #![allow(dead_code)]
 
+pub mod agent;
 pub mod cluster;
 pub mod explain;
 pub mod harness;
 pub mod load;
 pub mod netns;
+pub mod nft;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
