@@ -355,8 +355,8 @@ mod tests {
         assert_eq!(st.service_ports.len(), c.service_count());
         assert_eq!(st.service_ports.len(), 250 + 3 + 3 + 1);
         let eps: usize = st.service_ports.iter().map(|s| s.endpoints.len()).sum();
-        // Synthetic 250 × 10, stable 3 × 2, live 3 × 3 ready of 6, the tick's one.
-        assert_eq!(eps, 2500 + 6 + 9 + 1);
+        // Synthetic 250 × 10, stable 3 × 2, live 3 × 6 (every pod listed, half ready), the tick.
+        assert_eq!(eps, 2500 + 6 + 18 + 1);
         // Changes keep the files loadable and the count right; every kind happens.
         let mut kinds = BTreeSet::new();
         for _ in 0..2000 {
