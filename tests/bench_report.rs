@@ -42,6 +42,40 @@ fn readme_and_plot_are_regenerated_from_the_committed_json() {
     );
 }
 
+/// README's soak section and `docs/soak-MODE.svg` are what `benches/soak_plot.py` makes of
+/// the committed `docs/bench/soak-MODE.json`.
+fn soak_section_and_plots_are_regenerated_from_the_committed_json() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let scratch = std::env::temp_dir().join(format!("kp-soak-report-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch).expect("scratch dir");
+    let readme = scratch.join("README.md");
+    std::fs::copy(root.join("README.md"), &readme).expect("copy README");
+    let modes = ["nftables", "iptables"];
+    let status = std::process::Command::new("python3")
+        .arg(root.join("benches/soak_plot.py"))
+        .arg("--readme")
+        .arg(&readme)
+        .arg("--svg-dir")
+        .arg(&scratch)
+        .args(modes.map(|m| root.join(format!("docs/bench/soak-{m}.json"))))
+        .status()
+        .expect("python3 runs");
+    let regenerated = std::fs::read_to_string(&readme).expect("README");
+    let drawn = modes.map(|m| std::fs::read_to_string(scratch.join(format!("soak-{m}.svg"))).expect("svg"));
+    let _ = std::fs::remove_dir_all(&scratch);
+    assert!(status.success(), "benches/soak_plot.py failed");
+    let committed = std::fs::read_to_string(root.join("README.md")).expect("README");
+    assert!(
+        regenerated == committed,
+        "README's soak section differs from benches/soak_plot.py's: run it"
+    );
+    for (m, svg) in modes.iter().zip(drawn) {
+        let plot = std::fs::read_to_string(root.join(format!("docs/soak-{m}.svg"))).expect("svg");
+        assert_eq!(svg, plot, "docs/soak-{m}.svg differs from benches/soak_plot.py's");
+    }
+}
+
 common::harness::main! {
-    &[Tool("python3")] => readme_and_plot_are_regenerated_from_the_committed_json;
+    &[Tool("python3")] => readme_and_plot_are_regenerated_from_the_committed_json,
+        soak_section_and_plots_are_regenerated_from_the_committed_json;
 }

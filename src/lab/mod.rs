@@ -9,4 +9,5 @@ pub mod probe;
 pub mod relay;
 pub mod run;
 pub mod scenario;
+pub mod soak;
 pub mod testbed;

@@ -21,51 +21,10 @@ pub fn applied_in_fresh_netns(text: String) -> BTreeMap<String, Value> {
     })
 }
 
-/// `json` (the output of `nft -j list table …`), normalised.
+/// `json` (the output of `nft -j list table …`), normalised as the soak's drift check does
+/// it (`kube_proxy::lab::soak::drift::nft_objects`).
 pub fn normalised(json: &[u8]) -> BTreeMap<String, Value> {
-    let v: Value = serde_json::from_slice(json).expect("nft -j prints JSON");
-    fn strip(v: &mut Value) {
-        match v {
-            Value::Object(m) => {
-                m.remove("handle");
-                for (k, val) in m.iter_mut() {
-                    strip(val);
-                    if k == "elem"
-                        && let Value::Array(a) = val
-                    {
-                        a.sort_by_key(|e| e.to_string());
-                    }
-                }
-            }
-            Value::Array(a) => a.iter_mut().for_each(strip),
-            _ => {}
-        }
-    }
-    let mut out = BTreeMap::new();
-    let mut rules: BTreeMap<String, Vec<Value>> = BTreeMap::new();
-    for mut obj in v["nftables"].as_array().cloned().unwrap_or_default() {
-        strip(&mut obj);
-        let Some((kind, body)) = obj.as_object().and_then(|m| m.iter().next()) else {
-            continue;
-        };
-        match kind.as_str() {
-            "metainfo" => {}
-            "rule" => rules
-                .entry(body["chain"].as_str().unwrap_or_default().to_string())
-                .or_default()
-                .push(body.clone()),
-            _ => {
-                out.insert(
-                    format!("{kind} {}", body["name"].as_str().unwrap_or_default()),
-                    body.clone(),
-                );
-            }
-        }
-    }
-    for (chain, rs) in rules {
-        out.insert(format!("rules {chain}"), Value::Array(rs));
-    }
-    out
+    kube_proxy::lab::soak::drift::nft_objects(&String::from_utf8_lossy(json)).expect("nft -j prints JSON")
 }
 
 /// Where `got` and `want` differ: one line per object missing, extra or different.

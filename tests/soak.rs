@@ -1,0 +1,91 @@
+//! The soak's short variant (the long one is `cargo bench --bench soak`): the real daemon in a
+//! test bed on 1,000 Services × 10 endpoints from `--manifests`, changed at 25 changes/s for
+//! 20 s in each mode, with real connections throughout and a drift check after every 3 syncs
+//! (see `kube_proxy::lab::soak`). Asserts what the long run asserts but RSS growth: no
+//! connection to a stable Service fails, the kernel never differs from a fresh render; where
+//! connections to the churning Services landed is printed, not yet asserted (see below).
+//! One mode at a time (two cores).
+
+mod common;
+
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+use common::cluster::NEEDS;
+use kube_proxy::lab::soak::{Config, run};
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn soak(mode: &str) {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let cfg = Config {
+        mode: mode.to_string(),
+        services: 1000,
+        endpoints: 10,
+        duration_s: 20.0,
+        rate: 25.0,
+        k: 3,
+        sample_every_s: 1.0,
+        warmup_s: 5.0,
+        pods: 6,
+        stable: 3,
+        live: 3,
+        seed: 7,
+        binary: PathBuf::from(env!("CARGO_BIN_EXE_kube-proxy")),
+        prefix: "kpsk".to_string(),
+    };
+    let r = run(&cfg).unwrap_or_else(|e| panic!("the soak failed: {e:#}"));
+    let f = &r.figures;
+    eprintln!(
+        "{mode}: {} changes ({:.1}/s churning), {} syncs, {} drift checks, {} stable and {} live connects",
+        f.changes, f.rate_churning, f.syncs, f.drift_checks, r.stable.connects, r.live.connects
+    );
+    // The run did what it says, so that the zeros below mean something.
+    assert!(f.rate_churning >= 20.0, "{:.1} changes/s", f.rate_churning);
+    assert!(f.drift_checks >= 3, "{} drift checks", f.drift_checks);
+    assert!(
+        r.drift_checks.iter().all(|d| d.drift.compared > 1000),
+        "the checks compared the tables"
+    );
+    assert!(
+        r.stable.connects >= 300 && r.live.landed >= 300,
+        "{:?} {:?}",
+        r.stable,
+        r.live
+    );
+    assert!(
+        r.changes_by_kind.len() == 6,
+        "every kind of change: {:?}",
+        r.changes_by_kind
+    );
+    assert_eq!(r.stable.failed, 0, "failed stable connects: {:?}", r.stable.examples);
+    // Not asserted yet: the judge (an endpoint stays acceptable until the second sync seen
+    // after its change) assumes the daemon applies a change within two syncs, which a loaded
+    // machine exceeds (see docs/soak.md); printed, to be asserted once the judge knows when
+    // each change reached the kernel.
+    eprintln!(
+        "{mode}: {} of {} landings on endpoints not ready by the two-sync judge: {:?}",
+        r.live.violations,
+        r.live.landed,
+        r.live.examples.iter().take(3).collect::<Vec<_>>()
+    );
+    let drift: Vec<_> = r.drift_checks.iter().filter(|d| d.drift.differences > 0).collect();
+    assert!(drift.is_empty(), "drift: {drift:?}");
+}
+
+fn iptables_mode() {
+    soak("iptables");
+}
+
+// nftables mode is not run yet: its drift checks find chains of deleted Services still in
+// the kernel after a sync (`chain service-…: in the kernel only`; at 10,000 × 10 also
+// `service-endpoints-*` maps that differ, see docs/soak.md). Add `nftables_mode` to `main!`
+// once that is fixed:
+#[allow(dead_code)]
+fn nftables_mode() {
+    soak("nftables");
+}
+
+common::harness::main! {
+    NEEDS => iptables_mode;
+}
