@@ -29,9 +29,9 @@ use crate::lab::netns::{ChildGuard, Netns};
 use crate::lab::probe::{ERR_REFUSED, ProbeArgs};
 use crate::lab::testbed::{POD_CIDR, Testbed, TestbedSpec};
 
-/// How long the churn pauses before a drift check's tick: beyond nftables mode's delay for
-/// deleting stale chains (1 s) and the minimum sync period (1 s), so that the tick's sync also
-/// deletes what earlier syncs left for later.
+/// How long the daemon must have made no sync before a drift check's tick: beyond nftables
+/// mode's delay for deleting stale chains (1 s) and the minimum sync period (1 s), so that the
+/// tick's sync also deletes what earlier syncs left for later.
 const SETTLE: Duration = Duration::from_millis(2500);
 /// How long a tick may take to reach the kernel before the check counts as failed.
 const TICK_TIMEOUT: Duration = Duration::from_secs(180);
@@ -284,6 +284,25 @@ fn probe_live(sh: &Shared, bed: &Testbed, live: &[SocketAddr], pod_of: &BTreeMap
     }
 }
 
+/// Waits until the daemon has made no sync for [`SETTLE`]: the churn's last changes are
+/// programmed, and the tick's sync comes late enough to delete the chains they left for later
+/// (a loaded daemon can still be syncing the churn seconds after it stopped).
+fn settle(sh: &Shared) -> Result<()> {
+    let deadline = Instant::now() + TICK_TIMEOUT;
+    let (mut seen, mut since) = (sh.sync_count.load(Ordering::SeqCst), Instant::now());
+    while since.elapsed() < SETTLE {
+        if Instant::now() > deadline {
+            bail!("the daemon kept syncing for {TICK_TIMEOUT:?} after the churn paused");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        let now = sh.sync_count.load(Ordering::SeqCst);
+        if now != seen {
+            (seen, since) = (now, Instant::now());
+        }
+    }
+    Ok(())
+}
+
 /// The daemon and what the drift checks need.
 struct Node<'a> {
     cfg: &'a Config,
@@ -296,7 +315,7 @@ impl Node<'_> {
     /// Pauses, writes a tick, waits for the kernel to show it, and compares.
     fn drift_check(&self, sh: &Shared, cluster: &mut SoakCluster) -> Result<DriftCheck> {
         let started = Instant::now();
-        std::thread::sleep(SETTLE); // the daemon's own delays (see SETTLE), not a wait for it
+        settle(sh)?;
         let ((name, text), ip) = cluster.next_tick();
         let marker = match self.cfg.mode.as_str() {
             "nftables" => format!("\"{ip}\""),
