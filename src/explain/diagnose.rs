@@ -69,15 +69,8 @@ pub fn diagnose(f: &Facts, target: Option<&str>) -> Diagnosis {
             ),
         );
     }
-    for p in &f.ports {
+    for (p, diffs) in f.ports.iter().zip(all_diffs(mode, &f.ports)) {
         let label = p.label();
-        let diffs = p
-            .port
-            .state()
-            .ok()
-            .zip(p.actual_rules.as_ref())
-            .map(|(sps, actual)| compare(mode, &sps.port, &p.desired_rules, actual))
-            .unwrap_or_default();
         port_problems(f, mode, p, &diffs, &mut |code, text| {
             push(&mut d, code, Some(label.clone()), text)
         });
@@ -103,6 +96,34 @@ pub fn diagnose(f: &Facts, target: Option<&str>) -> Diagnosis {
         }
     }
     d
+}
+
+/// Each port's differences between desired and actual rules. Pure and independent per port,
+/// and most of `--all`'s own time at 10,000 Services: compared on every core.
+fn all_diffs(mode: ProxyMode, ports: &[PortFacts]) -> Vec<Vec<RuleDiff>> {
+    let diffs_of = |p: &PortFacts| {
+        p.port
+            .state()
+            .ok()
+            .zip(p.actual_rules.as_ref())
+            .map(|(sps, actual)| compare(mode, &sps.port, &p.desired_rules, actual))
+            .unwrap_or_default()
+    };
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if threads < 2 || ports.len() < 64 {
+        return ports.iter().map(diffs_of).collect();
+    }
+    let chunk = ports.len().div_ceil(threads);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = ports
+            .chunks(chunk)
+            .map(|c| s.spawn(move || c.iter().map(diffs_of).collect::<Vec<_>>()))
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+            .collect()
+    })
 }
 
 fn node_problems(f: &Facts, mode: ProxyMode, push: &mut dyn FnMut(&str, String)) {

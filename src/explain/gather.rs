@@ -65,36 +65,42 @@ pub fn gather(cfg: &ProxyConfig, req: &Request) -> Result<Facts, GatherError> {
     mcfg.mode = mode;
     let node = desired.node.info();
     let mut ports = select_ports(&mcfg, req, &desired, &node);
-    read_back(&mcfg, backend, req, &mut ports);
-    let routes = routes::dump_routes().unwrap_or_default();
+    let families = families_of(&ports);
     let mut conntrack = ConntrackFacts::default();
     let mut entries: Vec<Tracked> = Vec::new();
-    match ct.as_mut() {
-        Some(c) => {
-            conntrack.usage = c.usage().ok();
-            for family in families_of(&ports) {
-                match c.dump(family) {
-                    Ok(d) => entries.extend(d.tracked),
-                    Err(e) => conntrack.error = Some(e.to_string()),
+    // The read-back waits on the kernel (a whole-table save in --all: seconds at 10,000
+    // Services) while the rest of the node's facts need no ports: gather both at once.
+    let (routes, leftovers) = std::thread::scope(|s| {
+        s.spawn(|| read_back(&mcfg, backend, req, &mut ports));
+        let routes = routes::dump_routes().unwrap_or_default();
+        match ct.as_mut() {
+            Some(c) => {
+                conntrack.usage = c.usage().ok();
+                for family in families {
+                    match c.dump(family) {
+                        Ok(d) => entries.extend(d.tracked),
+                        Err(e) => conntrack.error = Some(e.to_string()),
+                    }
                 }
             }
+            None => conntrack.error = Some("no ctnetlink socket (not root, or no conntrack module)".into()),
         }
-        None => conntrack.error = Some("no ctnetlink socket (not root, or no conntrack module)".into()),
-    }
+        let leftovers: Vec<Leftover> = daemon::leftovers::OtherModes::scan(mode, backend)
+            .describe()
+            .into_iter()
+            .map(|(m, what)| Leftover {
+                mode: m.as_str().into(),
+                what,
+            })
+            .collect();
+        (routes, leftovers)
+    });
     let by_dst = index_entries(&entries);
     for p in &mut ports {
         p.connections = connections_of(&by_dst, &p.port);
         p.routes = endpoint_routes(&routes, &p.port);
         p.health_check = health_check(&p.port);
     }
-    let leftovers = daemon::leftovers::OtherModes::scan(mode, backend)
-        .describe()
-        .into_iter()
-        .map(|(m, what)| Leftover {
-            mode: m.as_str().into(),
-            what,
-        })
-        .collect();
     let ipvs_kernel_error = (mode == ProxyMode::Ipvs)
         .then(|| {
             let scheduler = crate::ipvs::render::IpvsRenderOptions::from_config(&mcfg, IpFamily::V4, &node).scheduler;

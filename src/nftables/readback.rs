@@ -245,11 +245,19 @@ fn sections_and_endpoints(ruleset: &Ruleset, port: &ServicePort) -> (Vec<Program
         let Some(set) = ruleset.sets.get(map) else {
             continue;
         };
-        let within = |e: &&Element| match e.key {
-            ElemKey::Range(lo, hi) => blocks.iter().any(|(m, a, b)| m == map && *a <= lo && hi <= *b),
-            _ => false,
-        };
-        let ours: Vec<&Element> = set.elements.values().filter(within).collect();
+        // Intervals sort by their low end: look up each block's (a map holds every port's).
+        let mut ours: Vec<&Element> = blocks
+            .iter()
+            .filter(|(m, ..)| m == map)
+            .flat_map(|(_, a, b)| {
+                set.elements
+                    .range(ElemKey::Range(*a, 0)..=ElemKey::Range(*b, u32::MAX))
+                    .filter(|(k, _)| matches!(k, ElemKey::Range(_, hi) if hi <= b))
+                    .map(|(_, e)| e)
+            })
+            .collect();
+        ours.sort_by(|x, y| x.key.cmp(&y.key));
+        ours.dedup_by(|x, y| x.key == y.key);
         for e in &ours {
             if let Some(ElemValue::AddrPort(sa)) = &e.value
                 && !endpoints.contains(&sa.ip())
