@@ -3,9 +3,12 @@
 //! a form in which equal means "the same rules". Pure comparisons, with the edges that run
 //! the tools at the end.
 //!
-//! - nftables: `nft -j list table ip kube-proxy` of the node, and of a scratch namespace into
-//!   which the render was loaded with `nft -f`; handles dropped, set elements sorted, objects
-//!   keyed by kind and name, each chain's rules in order. Nothing of ours decodes either side.
+//! - nftables: the node's `ip kube-proxy` table read over netlink, against the table a fresh
+//!   render's transaction makes ([`nft_form`]). Which numbers a port's `numgen` blocks are
+//!   and which `service-endpoints-…` shard holds them is the proxier's bookkeeping (a render
+//!   in state order cannot know them), so each `dnat … numgen … map` rule is followed by the
+//!   intervals it draws, as sizes and targets; intervals that no rule draws are a difference.
+//!   [`nft_objects`] (the `nft -j` form) stays for tests that compare listings literally.
 //! - iptables: `iptables-save` of the node against the render's restore input, table by table:
 //!   the `KUBE-*` chains declared on each side, and each chain's rules in the form
 //!   [`crate::iptables::edits::normalized`] gives (how `iptables-save` spells a rule differs
@@ -26,6 +29,11 @@ use crate::iptables::IptablesRenderOptions;
 use crate::iptables::edits::normalized;
 use crate::lab::netns::Netns;
 use crate::model::IpFamily;
+use crate::nftables::ast::{ElemKey, Statement};
+use crate::nftables::names::is_service_endpoints;
+use crate::nftables::netlink::{NftSocket, ReadScope};
+use crate::nftables::readback::{without_blocks, without_shard};
+use crate::nftables::ruleset::Ruleset;
 
 /// Chains the daemon creates outside the rendered rules.
 const UNRENDERED_CHAINS: [&str; 2] = ["KUBE-KUBELET-CANARY", "KUBE-PROXY-CANARY"];
@@ -123,6 +131,151 @@ fn short(v: &Value) -> String {
     }
 }
 
+/// A `kube-proxy` table in comparable form: each chain and set by name, with its lines.
+pub type NftForm = BTreeMap<String, Vec<String>>;
+
+/// `table` in the form in which two tables that send every packet the same way are equal
+/// (see the module's notes). Sets with timeouts (affinity) compare by declaration only: their
+/// elements are the kernel's.
+pub fn nft_form(table: &Ruleset) -> NftForm {
+    let family = table.family;
+    let mut out = NftForm::new();
+    let mut drawn: BTreeMap<&str, BTreeSet<&ElemKey>> = BTreeMap::new();
+    for (name, chain) in &table.chains {
+        let place = format!("chain {name}");
+        let mut lines = vec![format!("{:?}", chain.decl)];
+        for rule in &chain.rules {
+            lines.push(without_blocks(&place, &rule.text(family)));
+            let Statement::DnatNumgenMap { modulus, offset, map } = &rule.statement else {
+                continue;
+            };
+            let Some(set) = table.sets.get(map).filter(|_| *modulus > 0) else {
+                lines.push(format!("  draws from {map}, which is missing"));
+                continue;
+            };
+            let hi = offset.saturating_add(modulus - 1);
+            let mut draws = Vec::new();
+            for (key, e) in set
+                .elements
+                .range(ElemKey::Range(*offset, 0)..=ElemKey::Range(hi, u32::MAX))
+            {
+                if let ElemKey::Range(a, b) = key
+                    && *b <= hi
+                {
+                    let value = e.value.as_ref().map(ToString::to_string).unwrap_or_default();
+                    draws.push(format!("  draws {} : {value}", b - a + 1));
+                    drawn.entry(map.as_str()).or_default().insert(key);
+                }
+            }
+            // Which endpoint a block's first interval holds does not change where packets go.
+            draws.sort();
+            lines.extend(draws);
+        }
+        out.insert(place, lines);
+    }
+    for (name, set) in &table.sets {
+        if is_service_endpoints(name) {
+            let stray: Vec<String> = set
+                .elements
+                .iter()
+                .filter(|(k, _)| !drawn.get(name.as_str()).is_some_and(|d| d.contains(k)))
+                .map(|(_, e)| format!("{e:?}"))
+                .collect();
+            if !stray.is_empty() {
+                out.entry(format!("map {}: intervals no rule draws", without_shard(name)))
+                    .or_default()
+                    .extend(stray);
+            }
+            continue;
+        }
+        let mut lines = vec![format!("{:?}", set.decl)];
+        if set.decl.timeout_seconds.is_none() {
+            lines.extend(set.elements.values().map(|e| format!("{e:?}")));
+        }
+        out.insert(format!("set {name}"), lines);
+    }
+    out
+}
+
+/// Compares the kernel's table with the render's, both in [`nft_form`]; `undecoded` are the
+/// kernel's rules that are not of a shape we write (each a difference).
+pub fn compare_nft_forms(kernel: &NftForm, undecoded: &[String], render: &NftForm) -> Drift {
+    let mut d = Drift::default();
+    for u in undecoded {
+        d.note(format!("a rule the read-back cannot decode: {u}"));
+    }
+    let keys: BTreeSet<&String> = kernel.keys().chain(render.keys()).collect();
+    d.compared = keys.len();
+    for k in keys {
+        match (kernel.get(k), render.get(k)) {
+            (Some(a), Some(b)) if a == b => {}
+            (Some(a), Some(b)) => {
+                let detail = match a.iter().zip(b).find(|(x, y)| x != y) {
+                    Some((x, y)) => format!("kernel `{x}` vs render `{y}`"),
+                    None => format!("{} lines in the kernel, {} rendered", a.len(), b.len()),
+                };
+                d.note(format!("{k}: {detail}"));
+            }
+            (Some(_), None) => d.note(format!("{k}: in the kernel only")),
+            (None, Some(_)) => d.note(format!("{k}: in the render only")),
+            (None, None) => {}
+        }
+    }
+    d
+}
+
+/// The node's `ip kube-proxy` table, read over netlink, and the rules it could not decode.
+pub fn kernel_nftables(node: &Netns) -> Result<(Ruleset, Vec<String>)> {
+    let read = in_netns(node, || NftSocket::new()?.read(IpFamily::V4, &ReadScope::Whole))?
+        .with_context(|| format!("reading the kube-proxy table of {}", node.name()))?;
+    let (table, undecoded) = read.with_context(|| format!("{} has no ip kube-proxy table", node.name()))?;
+    let undecoded = undecoded
+        .iter()
+        .map(|u| format!("{}: {} ({})", u.chain, u.exprs, u.reason))
+        .collect();
+    Ok((table, undecoded))
+}
+
+/// Whether `table` sends traffic to `ip` (an interval of a `service-endpoints-…` map has it).
+pub fn nft_serves(table: &Ruleset, ip: std::net::IpAddr) -> bool {
+    let prefix = format!("{ip} ");
+    table
+        .sets
+        .iter()
+        .filter(|(name, _)| is_service_endpoints(name))
+        .flat_map(|(_, set)| set.elements.values())
+        .any(|e| e.value.as_ref().is_some_and(|v| v.to_string().starts_with(&prefix)))
+}
+
+/// nftables mode's full render of the manifests in `dir` (IPv4) as the daemon started with
+/// `flags` renders it: the table its transaction makes.
+pub fn render_nftables(flags: &[String], dir: &Path) -> Result<Ruleset> {
+    let (cfg, state, info) = desired(flags, dir)?;
+    let opts = crate::proxy::RenderOptions::from_config(&cfg, IpFamily::V4, &info);
+    let tx = crate::nftables::render::render_tx(&state, &opts, true);
+    Ruleset::from_transaction(&tx).context("the render's transaction")
+}
+
+/// The configuration the daemon started with `flags` resolves, and the state and node of the
+/// manifests in `dir`.
+fn desired(
+    flags: &[String],
+    dir: &Path,
+) -> Result<(
+    crate::config::ProxyConfig,
+    crate::model::ProxyState,
+    crate::model::NodeInfo,
+)> {
+    use clap::Parser as _;
+    let args = std::iter::once("kube-proxy".to_string()).chain(flags.iter().cloned());
+    let cli = crate::cli::Cli::try_parse_from(args).context("the daemon's flags")?;
+    let cfg = crate::config::ProxyConfig::resolve(&cli.flags)?;
+    let objects = crate::manifest::load_paths(&[dir])?;
+    let info = crate::app::node_info(&objects, &cfg);
+    let state = crate::model::build_state(&objects, &info, IpFamily::V4);
+    Ok((cfg, state, info))
+}
+
 /// One table of iptables text (restore input or save output): its `KUBE-*` chains and their
 /// normalised rules, in order.
 pub type IptTables = BTreeMap<String, BTreeMap<String, Vec<Vec<String>>>>;
@@ -205,50 +358,27 @@ pub fn compare_ipt(kernel: &IptTables, render: &IptTables) -> Drift {
     d
 }
 
-/// The node's rules of `mode` as its tools list them.
-pub fn kernel_text(node: &Netns, mode: &str) -> Result<String> {
-    match mode {
-        "nftables" => node.exec_ok("nft", ["-j", "list", "table", "ip", "kube-proxy"]),
-        _ => node.exec_ok("iptables-save", std::iter::empty::<&str>()),
-    }
+/// The node's iptables rules as `iptables-save` lists them.
+pub fn kernel_iptables(node: &Netns) -> Result<String> {
+    node.exec_ok("iptables-save", std::iter::empty::<&str>())
 }
 
-/// The render of `mode` in comparable form, against the kernel's listing `kernel`. nftables:
-/// `render` (`kube-proxy render`'s output) loaded into `scratch` and listed back. iptables: the
-/// restore input rendered here for the objects in `dir` as the daemon renders it on this node
-/// (with the nfacct counters when the node has them, and its `tcp_be_liberal`), restored into
-/// `scratch` and saved back, so that both sides are spelled by `iptables-save`.
-pub fn compare(mode: &str, kernel: &str, render: &str, scratch: &Netns) -> Result<Drift> {
-    if mode == "nftables" {
-        // The scratch table is replaced whole each time.
-        let _ = scratch.exec("nft", ["delete", "table", "ip", "kube-proxy"]);
-        let (ok, out) = scratch.exec_with_input("nft", ["-f", "-"], render)?;
-        if !ok {
-            bail!("nft -f refused the render: {out}");
-        }
-        let reference = scratch.exec_ok("nft", ["-j", "list", "table", "ip", "kube-proxy"])?;
-        Ok(compare_nft(&nft_objects(kernel)?, &nft_objects(&reference)?))
-    } else {
-        let (ok, out) = scratch.exec_with_input("iptables-restore", ["--counters"], render)?;
-        if !ok {
-            bail!("iptables-restore refused the render: {out}");
-        }
-        let reference = scratch.exec_ok("iptables-save", std::iter::empty::<&str>())?;
-        Ok(compare_ipt(&ipt_tables(kernel), &ipt_tables(&reference)))
+/// The render (`render_iptables`' restore input) restored into `scratch` and saved back, so
+/// that both sides are spelled by `iptables-save`, against the kernel's listing `kernel`.
+pub fn compare_iptables(kernel: &str, render: &str, scratch: &Netns) -> Result<Drift> {
+    let (ok, out) = scratch.exec_with_input("iptables-restore", ["--counters"], render)?;
+    if !ok {
+        bail!("iptables-restore refused the render: {out}");
     }
+    let reference = scratch.exec_ok("iptables-save", std::iter::empty::<&str>())?;
+    Ok(compare_ipt(&ipt_tables(kernel), &ipt_tables(&reference)))
 }
 
 /// iptables mode's full render of the manifests in `dir` (IPv4), as the daemon started with
 /// `flags` renders it in the namespace `node`: the restore input. The nfacct counters it
 /// names are made in `scratch` too, for the restore there.
 pub fn render_iptables(flags: &[String], dir: &Path, node: &Netns, scratch: &Netns) -> Result<String> {
-    use clap::Parser as _;
-    let args = std::iter::once("kube-proxy".to_string()).chain(flags.iter().cloned());
-    let cli = crate::cli::Cli::try_parse_from(args).context("the daemon's flags")?;
-    let cfg = crate::config::ProxyConfig::resolve(&cli.flags)?;
-    let objects = crate::manifest::load_paths(&[dir])?;
-    let info = crate::app::node_info(&objects, &cfg);
-    let state = crate::model::build_state(&objects, &info, IpFamily::V4);
+    let (cfg, state, info) = desired(flags, dir)?;
     let mut opts = IptablesRenderOptions::from_config(&cfg, IpFamily::V4, &info);
     opts.nfacct = in_netns(node, crate::daemon::modes::nfacct_counters_present)?;
     if opts.nfacct && !in_netns(scratch, || crate::daemon::modes::nfacct_counters().is_some())? {
@@ -317,6 +447,81 @@ mod tests {
         moved.swap(9, 10);
         let d = compare_ipt(&ipt_tables(&moved.join("\n")), &ipt_tables(RENDER));
         assert_eq!(d.differences, 1, "the NodePort rule must stay last");
+    }
+
+    /// A render's table with the numgen block of its first `dnat … map` rule moved up by
+    /// `by`, as a proxier that allocated it elsewhere holds it.
+    fn moved_block(mut t: Ruleset, by: u32) -> Ruleset {
+        let (map, lo, hi) = t
+            .chains
+            .values_mut()
+            .flat_map(|c| c.rules.iter_mut())
+            .find_map(|r| match &mut r.statement {
+                Statement::DnatNumgenMap { modulus, offset, map } => {
+                    let old = *offset;
+                    *offset += by;
+                    Some((map.clone(), old, old + *modulus - 1))
+                }
+                _ => None,
+            })
+            .expect("a dnat numgen rule");
+        let set = t.sets.get_mut(&map).expect("its map");
+        let moved: Vec<_> = set
+            .elements
+            .extract_if(.., |k, _| matches!(k, ElemKey::Range(a, _) if *a >= lo && *a <= hi))
+            .collect();
+        assert!(!moved.is_empty());
+        for (k, mut e) in moved {
+            if let ElemKey::Range(a, b) = k {
+                e.key = ElemKey::Range(a + by, b + by);
+                set.elements.insert(e.key.clone(), e);
+            }
+        }
+        t
+    }
+
+    #[test]
+    fn nft_tables_compare_without_their_block_placement() {
+        use crate::model::Protocol;
+        use crate::model::testing::{port, state};
+        let st = state(
+            vec![
+                port("ns", "a", 1, Protocol::Tcp, &[1, 2]),
+                port("ns", "b", 2, Protocol::Tcp, &[3, 4, 5]),
+            ],
+            &["10.96.0.0/16"],
+        );
+        let tx = crate::nftables::render::render_tx(&st, &crate::proxy::RenderOptions::default(), true);
+        let render = Ruleset::from_transaction(&tx).expect("applies");
+        let moved = moved_block(render.clone(), 1_000_000);
+        assert_ne!(moved, render);
+        let d = compare_nft_forms(&nft_form(&moved), &[], &nft_form(&render));
+        assert_eq!(d.differences, 0, "{:?}", d.examples);
+        assert!(d.compared > 5);
+        // An endpoint's interval lost; an interval left behind; an undecoded rule.
+        let mut lost = moved.clone();
+        let map = lost
+            .sets
+            .values_mut()
+            .find(|s| is_service_endpoints(&s.decl.name) && !s.elements.is_empty())
+            .expect("a map");
+        let first = map.elements.keys().next().cloned().expect("an interval");
+        let mut stray = map.elements.remove(&first).expect("removed");
+        let d = compare_nft_forms(&nft_form(&lost), &[], &nft_form(&render));
+        assert_eq!(d.differences, 1, "{:?}", d.examples);
+        let mut left = moved.clone();
+        let map = left
+            .sets
+            .values_mut()
+            .find(|s| is_service_endpoints(&s.decl.name) && !s.elements.is_empty())
+            .expect("a map");
+        stray.key = ElemKey::Range(u32::MAX - 9, u32::MAX);
+        map.elements.insert(stray.key.clone(), stray);
+        let d = compare_nft_forms(&nft_form(&left), &[], &nft_form(&render));
+        assert_eq!(d.differences, 1, "{:?}", d.examples);
+        assert!(d.examples[0].contains("intervals no rule draws"), "{d:?}");
+        let d = compare_nft_forms(&nft_form(&moved), &["x".to_string()], &nft_form(&render));
+        assert_eq!(d.differences, 1);
     }
 
     #[test]

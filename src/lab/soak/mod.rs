@@ -4,7 +4,7 @@
 //! whose endpoints are the bed's pods (each must land on an endpoint that was ready, within the
 //! sync latency: [`watch::History`]). After every K syncs the churn pauses for a drift check
 //! ([`drift`]): a tick change marks the point, and once the kernel shows it, its rules are read
-//! back and compared with a fresh `kube-proxy render` of the same files. The daemon's RSS and
+//! back and compared with a fresh full render of the same files. The daemon's RSS and
 //! CPU are sampled throughout. `benches/soak.rs` runs it at scale; `tests/soak.rs` briefly.
 
 pub mod cluster;
@@ -317,41 +317,45 @@ impl Node<'_> {
         let started = Instant::now();
         settle(sh)?;
         let ((name, text), ip) = cluster.next_tick();
-        let marker = match self.cfg.mode.as_str() {
-            "nftables" => format!("\"{ip}\""),
-            _ => format!("{ip}:8080"),
-        };
         let written = Instant::now();
         write_file(self.dir, &name, &text)?;
-        let kernel = loop {
-            let text = drift::kernel_text(&self.bed.node, &self.cfg.mode)?;
-            if text.contains(&marker) {
-                break text;
-            }
-            if written.elapsed() > TICK_TIMEOUT {
-                bail!("the tick {ip} did not reach the kernel within {TICK_TIMEOUT:?}");
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        };
-        let tick_latency_ms = written.elapsed().as_secs_f64() * 1e3;
-        let render = if self.cfg.mode == "nftables" {
-            let mut args = self.flags();
-            args.insert(0, "render".to_string());
-            args.extend(["--ip-family=IPv4".to_string(), self.dir.display().to_string()]);
-            self.bed
-                .node
-                .exec_ok(&self.cfg.binary, &args)
-                .context("kube-proxy render")?
+        let (drift, tick_latency_ms) = if self.cfg.mode == "nftables" {
+            let ((kernel, undecoded), ms) = self.tick_wait(ip, written, || {
+                let read = drift::kernel_nftables(&self.bed.node)?;
+                Ok(drift::nft_serves(&read.0, ip).then_some(read))
+            })?;
+            let render = drift::render_nftables(&self.flags(), self.dir)?;
+            let forms = (drift::nft_form(&kernel), drift::nft_form(&render));
+            (drift::compare_nft_forms(&forms.0, &undecoded, &forms.1), ms)
         } else {
-            drift::render_iptables(&self.flags(), self.dir, &self.bed.node, self.scratch)?
+            let marker = format!("{ip}:8080");
+            let (kernel, ms) = self.tick_wait(ip, written, || {
+                let text = drift::kernel_iptables(&self.bed.node)?;
+                Ok(text.contains(&marker).then_some(text))
+            })?;
+            let render = drift::render_iptables(&self.flags(), self.dir, &self.bed.node, self.scratch)?;
+            (drift::compare_iptables(&kernel, &render, self.scratch)?, ms)
         };
-        let drift = drift::compare(&self.cfg.mode, &kernel, &render, self.scratch)?;
         Ok(DriftCheck {
             t: sh.now(),
             tick_latency_ms,
             check_s: started.elapsed().as_secs_f64(),
             drift,
         })
+    }
+
+    /// Polls `read` until it shows the tick `ip` (written at `written`), and returns what it read.
+    /// The tick's latency is until that read.
+    fn tick_wait<T>(&self, ip: IpAddr, written: Instant, read: impl Fn() -> Result<Option<T>>) -> Result<(T, f64)> {
+        loop {
+            if let Some(found) = read()? {
+                return Ok((found, written.elapsed().as_secs_f64() * 1e3));
+            }
+            if written.elapsed() > TICK_TIMEOUT {
+                bail!("the tick {ip} did not reach the kernel within {TICK_TIMEOUT:?}");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     fn flags(&self) -> Vec<String> {
