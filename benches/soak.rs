@@ -3,8 +3,8 @@
 //! changed at `RATE` changes/s for `DURATION` seconds (Services created and deleted, endpoints
 //! scaled, readiness flipped, ports changed; a fifth of the changes go to Services whose
 //! endpoints are the bed's pods), with real connections from the client pod throughout, a
-//! drift check after every `K` syncs (the kernel read back with `nft -j` / `iptables-save`
-//! against a fresh `kube-proxy render`), and the daemon's RSS and CPU sampled every
+//! drift check after every `K` syncs (the kernel read back over netlink / with
+//! `iptables-save` against a fresh full render), and the daemon's RSS and CPU sampled every
 //! `SAMPLE` seconds. See `kube_proxy::lab::soak` for what each check means. Needs root;
 //! everything happens in namespaces it creates.
 //!
@@ -62,6 +62,17 @@ fn print(r: &Report) {
     println!(
         "live Services: {} connects, {} landed, {} refused, {} other errors, {} on an endpoint not ready {:?}",
         r.live.connects, r.live.landed, r.live.refused, r.live.other_errors, r.live.violations, r.live.examples
+    );
+    println!(
+        "live Services' endpoint changes: {} seen in the kernel's rules ({} superseded before a read-back), \
+         change -> kernel p50 {:.0} ms, p99 {:.0} ms, max {:.0} ms; {} read-backs failed, {} unmatched",
+        r.live.changes_seen,
+        r.live.changes_unseen,
+        f.live_apply_p50_ms,
+        f.live_apply_p99_ms,
+        f.live_apply_max_ms,
+        r.live.read_back_errors,
+        r.live.read_backs_unmatched
     );
     println!(
         "daemon RSS: {:.1} MiB after warm-up, {:.1} MiB at the end (growth {}), peak {:.1} MiB; CPU mean {:.0} % (children {:.0} %)",

@@ -258,7 +258,7 @@ pub fn render_nftables(flags: &[String], dir: &Path) -> Result<Ruleset> {
 
 /// The configuration the daemon started with `flags` resolves, and the state and node of the
 /// manifests in `dir`.
-fn desired(
+pub fn desired(
     flags: &[String],
     dir: &Path,
 ) -> Result<(

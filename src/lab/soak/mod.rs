@@ -38,6 +38,9 @@ const TICK_TIMEOUT: Duration = Duration::from_secs(180);
 const FIRST_SYNC_TIMEOUT: Duration = Duration::from_secs(900);
 /// Connects per probe batch (one `lab probe` process), 10 ms apart.
 const BATCH: u32 = 20;
+/// Pause between read-backs of the live Services' rules (each takes milliseconds in nftables
+/// mode, tens of milliseconds a chain in iptables mode at 10,000 Services).
+const READ_BACK_PAUSE: Duration = Duration::from_millis(100);
 
 /// What to run.
 #[derive(Clone, Debug, Serialize)]
@@ -95,8 +98,17 @@ pub struct LiveProbes {
     /// Refused: no endpoint was ready, or the daemon had not yet applied one.
     pub refused: usize,
     pub other_errors: usize,
-    /// Landed on an endpoint that was not ready then (allowing for the sync latency).
+    /// Landed on an endpoint that was not ready then (allowing for the sync latency: until
+    /// the kernel was seen holding the change).
     pub violations: usize,
+    /// Changes to their endpoints seen in the kernel's rules, and not seen (superseded
+    /// before a read-back came by); read-backs that failed.
+    pub changes_seen: usize,
+    pub changes_unseen: usize,
+    pub read_back_errors: usize,
+    /// Read-backs whose endpoints matched no version the kernel could be at (a read of
+    /// several chains can straddle a sync in iptables mode).
+    pub read_backs_unmatched: usize,
     pub examples: Vec<String>,
 }
 
@@ -126,6 +138,10 @@ pub struct Figures {
     pub children_cpu_mean_pct: f64,
     pub stable_failed: usize,
     pub live_violations: usize,
+    /// Change to a live Service's endpoints (file renamed) → seen in its rules read back.
+    pub live_apply_p50_ms: f64,
+    pub live_apply_p99_ms: f64,
+    pub live_apply_max_ms: f64,
 }
 
 /// Everything a run measured (the bench writes it as JSON).
@@ -284,6 +300,52 @@ fn probe_live(sh: &Shared, bed: &Testbed, live: &[SocketAddr], pod_of: &BTreeMap
     }
 }
 
+/// Reads the live Services' rules back from the node's kernel until told to stop (on a thread
+/// that enters the node's namespace), and tells each one's history which endpoints they send
+/// to, at the end of each read.
+fn watch_kernel(sh: &Shared, node: &Node<'_>, pods: &[IpAddr], names: &[String]) -> Result<()> {
+    let ns = std::fs::File::open(format!("/run/netns/{}", node.bed.node.name()))?;
+    nix::sched::setns(ns, nix::sched::CloneFlags::CLONE_NEWNET).context("entering the node's namespace")?;
+    let (cfg, state, _) = drift::desired(&node.flags(), node.dir)?;
+    let ports = names
+        .iter()
+        .map(|n| {
+            let sps = state.service_ports.iter().find(|s| s.port.name.name == *n);
+            sps.map(|s| s.port.clone()).with_context(|| format!("no Service {n}"))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let backend = crate::iptables::backend::detect_and_log();
+    let mut proxier = crate::daemon::modes::proxiers(&cfg, backend, false)?
+        .into_iter()
+        .find(|p| p.family() == crate::model::IpFamily::V4)
+        .context("no IPv4 proxier")?;
+    while !sh.stop.load(Ordering::SeqCst) {
+        for (k, port) in ports.iter().enumerate() {
+            match proxier.read_back(port) {
+                Ok(programmed) => {
+                    let lines: Vec<&String> = programmed.sections.iter().flat_map(|s| &s.lines).collect();
+                    let to = |ip: &IpAddr| {
+                        let (a, b) = (format!("{ip}:"), format!("{ip} . "));
+                        lines.iter().any(|l| l.contains(&a) || l.contains(&b))
+                    };
+                    let sends_to: BTreeSet<IpAddr> = pods.iter().filter(|ip| to(ip)).copied().collect();
+                    let t = sh.now();
+                    sh.histories.lock().expect("histories")[k].observe(t, &sends_to);
+                }
+                Err(e) => {
+                    let mut lv = sh.live.lock().expect("live");
+                    lv.read_back_errors += 1;
+                    if lv.examples.len() < 10 {
+                        lv.examples.push(format!("read-back of {}: {e}", port.name));
+                    }
+                }
+            }
+        }
+        std::thread::sleep(READ_BACK_PAUSE);
+    }
+    Ok(())
+}
+
 /// Waits until the daemon has made no sync for [`SETTLE`]: the churn's last changes are
 /// programmed, and the tick's sync comes late enough to delete the chains they left for later
 /// (a loaded daemon can still be syncing the churn seconds after it stopped).
@@ -427,6 +489,7 @@ pub fn run(cfg: &Config) -> Result<Report> {
         .iter()
         .map(|s| SocketAddr::new(s.cluster_ip.into(), 80))
         .collect();
+    let live_names: Vec<String> = (0..live.len()).map(|k| format!("live-{k}")).collect();
     let mut checks = Vec::new();
     let mut by_kind: BTreeMap<String, usize> = BTreeMap::new();
     let mut churn = Duration::ZERO;
@@ -435,6 +498,7 @@ pub fn run(cfg: &Config) -> Result<Report> {
         s.spawn(|| monitor(&sh, &daemon, Duration::from_secs_f64(cfg.sample_every_s)));
         s.spawn(|| probe_stable(&sh, &bed, &stable));
         s.spawn(|| probe_live(&sh, &bed, &live, &pod_of));
+        let kernel = s.spawn(|| watch_kernel(&sh, &node, &pods, &live_names));
         checks.push(node.drift_check(&sh, &mut cluster)?);
         let end = Instant::now() + Duration::from_secs_f64(cfg.duration_s);
         let interval = Duration::from_secs_f64(1.0 / cfg.rate);
@@ -464,8 +528,15 @@ pub fn run(cfg: &Config) -> Result<Report> {
             }
             checks.push(node.drift_check(&sh, &mut cluster)?);
             last_check = sh.sync_count.load(Ordering::SeqCst);
+            if kernel.is_finished() {
+                break;
+            }
         }
-        Ok(())
+        sh.stop.store(true, Ordering::SeqCst);
+        kernel
+            .join()
+            .map_err(|_| anyhow::anyhow!("the read-back thread panicked"))?
+            .context("reading the live Services' rules back")
     });
     let run_s = sh.now();
     outcome.with_context(|| {
@@ -513,15 +584,22 @@ fn report(
     let histories = sh.histories.into_inner().expect("histories");
     let stable = sh.stable.into_inner().expect("stable");
     let mut live = sh.live.into_inner().expect("live");
-    let sync_times: Vec<f64> = syncs.iter().map(|s| s.t).collect();
     for (k, ip, t0, t1) in sh.landings.into_inner().expect("landings") {
-        if !histories[k].allows(ip, t0, t1, &sync_times) {
+        if !histories[k].allows(ip, t0, t1) {
             live.violations += 1;
             if live.examples.len() < 20 {
                 live.examples
                     .push(format!("{t0:.2}..{t1:.2} s live-{k}: landed on {ip}, not ready"));
             }
         }
+    }
+    let mut applied = Vec::new();
+    for h in &histories {
+        let (seen, unseen) = h.apply_latencies();
+        live.changes_seen += seen.len();
+        live.changes_unseen += unseen;
+        live.read_backs_unmatched += h.unmatched;
+        applied.extend(seen.iter().map(|s| s * 1e3));
     }
     let elapsed: Vec<f64> = syncs.iter().map(|s| s.elapsed_ms).collect();
     let ticks: Vec<f64> = checks.iter().map(|c| c.tick_latency_ms).collect();
@@ -559,6 +637,9 @@ fn report(
         children_cpu_mean_pct: mean(&cpu.iter().map(|c| c.2).collect::<Vec<_>>()),
         stable_failed: stable.failed,
         live_violations: live.violations,
+        live_apply_p50_ms: watch::percentile(&applied, 0.5),
+        live_apply_p99_ms: watch::percentile(&applied, 0.99),
+        live_apply_max_ms: watch::percentile(&applied, 1.0),
     };
     Report {
         config: cfg.clone(),

@@ -125,48 +125,96 @@ pub fn percentile(values: &[f64], p: f64) -> f64 {
     v[(((v.len() - 1) as f64) * p).round() as usize]
 }
 
-/// The ready endpoints of one live Service over time: each version from when it was written.
+/// The ready endpoints of one live Service over time: each version from when it was written,
+/// and from when the kernel was seen holding it or a later one (its rules read back every few
+/// hundred milliseconds: [`History::observe`]).
 #[derive(Clone, Debug, Default)]
 pub struct History {
-    versions: Vec<(f64, BTreeSet<IpAddr>)>,
+    versions: Vec<Version>,
+    /// The version the kernel was last seen at.
+    at: usize,
+    /// Read-backs that matched no version from `at` on.
+    pub unmatched: usize,
+}
+
+#[derive(Clone, Debug)]
+struct Version {
+    written: f64,
+    ready: BTreeSet<IpAddr>,
+    /// First read-back that found the kernel at this version or a later one.
+    reached: Option<f64>,
+    /// First read-back that found the kernel at this very version.
+    seen: Option<f64>,
 }
 
 impl History {
     pub fn new(t: f64, ready: BTreeSet<IpAddr>) -> History {
-        History {
-            versions: vec![(t, ready)],
-        }
+        let mut h = History::default();
+        h.push(t, ready);
+        h
     }
 
     pub fn push(&mut self, t: f64, ready: BTreeSet<IpAddr>) {
-        self.versions.push((t, ready));
+        self.versions.push(Version {
+            written: t,
+            ready,
+            reached: None,
+            seen: None,
+        });
     }
 
     /// [`History::push`] unless the ready set stays what it was.
     pub fn push_if_changed(&mut self, t: f64, ready: BTreeSet<IpAddr>) {
-        if self.versions.last().is_none_or(|(_, r)| *r != ready) {
+        if self.versions.last().is_none_or(|v| v.ready != ready) {
             self.push(t, ready);
         }
     }
 
+    /// The kernel was read at `t` and sends to `programmed`. The daemon programs the files as
+    /// they are when it reads them, so the kernel moves through the versions in order (some
+    /// skipped); of the versions it may be at, the earliest is taken (a set can come back:
+    /// the kernel showing it may not have reached the later one yet).
+    pub fn observe(&mut self, t: f64, programmed: &BTreeSet<IpAddr>) {
+        let found = (self.at..self.versions.len())
+            .take_while(|j| self.versions[*j].written <= t)
+            .find(|j| self.versions[*j].ready == *programmed);
+        let Some(j) = found else {
+            self.unmatched += 1;
+            return;
+        };
+        for v in &mut self.versions[self.at..=j] {
+            v.reached.get_or_insert(t);
+        }
+        self.versions[j].seen.get_or_insert(t);
+        self.at = j;
+    }
+
     /// Whether a connection made between `t0` and `t1` may land on `ip`: `ip` was ready in a
     /// version written by `t1` that was still in force at `t0`. A version stays in force until
-    /// the daemon applied its successor: until the second sync seen after the successor was
-    /// written (the first may have started before), given the times of the syncs (sorted).
-    /// After the last seen sync nothing is known to be applied.
-    pub fn allows(&self, ip: IpAddr, t0: f64, t1: f64, syncs: &[f64]) -> bool {
-        self.versions.iter().enumerate().any(|(i, (written, ready))| {
-            if *written > t1 || !ready.contains(&ip) {
+    /// the kernel was seen past it; one never passed stays to the end.
+    pub fn allows(&self, ip: IpAddr, t0: f64, t1: f64) -> bool {
+        self.versions.iter().enumerate().any(|(i, v)| {
+            if v.written > t1 || !v.ready.contains(&ip) {
                 return false;
             }
-            match self.versions.get(i + 1) {
-                None => true,
-                Some((next, _)) => {
-                    let after = syncs.partition_point(|s| s <= next);
-                    syncs.get(after + 1).is_none_or(|applied| *applied >= t0)
-                }
-            }
+            let next = self.versions.get(i + 1).and_then(|n| n.reached);
+            next.is_none_or(|end| end >= t0)
         })
+    }
+
+    /// For each change after the first version that the kernel was seen holding: seconds from
+    /// its write until then (an upper bound by the read-back's period); and how many changes
+    /// were never seen (superseded before the kernel had them, or before a read-back came).
+    pub fn apply_latencies(&self) -> (Vec<f64>, usize) {
+        let mut seen = Vec::new();
+        let mut unseen = 0;
+        for v in self.versions.iter().skip(1) {
+            match v.seen {
+                Some(t) => seen.push(t - v.written),
+                None => unseen += 1,
+            }
+        }
+        (seen, unseen)
     }
 }
 
@@ -217,20 +265,62 @@ mod tests {
     fn a_landing_is_allowed_only_while_its_endpoint_was_ready() {
         let (a, b) = (ip("10.244.1.2"), ip("10.244.2.2"));
         let mut h = History::new(0.0, [a].into());
+        h.observe(0.5, &[a].into());
         h.push(10.0, [b].into()); // a unready from 10 s on
-        let syncs = [5.0, 10.5, 11.5, 12.5];
-        // Before the change, and while the daemon had not applied it (until 11.5 s): a is fine.
-        assert!(h.allows(a, 4.0, 4.1, &syncs));
-        assert!(h.allows(a, 11.0, 11.1, &syncs));
-        // After the second sync since the change: a is a violation, b is right.
-        assert!(!h.allows(a, 11.6, 11.7, &syncs));
-        assert!(h.allows(b, 11.6, 11.7, &syncs));
+        // Read back before the kernel had it: nothing changes.
+        h.observe(10.8, &[a].into());
+        h.observe(11.5, &[b].into());
+        h.observe(12.0, &[b].into());
+        // Before the change, and until the kernel was seen with it (11.5 s): a is fine.
+        assert!(h.allows(a, 4.0, 4.1));
+        assert!(h.allows(a, 11.0, 11.1));
+        // After that: a is a violation, b is right.
+        assert!(!h.allows(a, 11.6, 11.7));
+        assert!(h.allows(b, 11.6, 11.7));
         // b was never ready before 10 s.
-        assert!(!h.allows(b, 4.0, 4.1, &syncs));
-        // A change after the last sync seen: the old version may still be in force.
+        assert!(!h.allows(b, 4.0, 4.1));
+        // A change the kernel was never seen with: the old version may still be in force.
         h.push(20.0, [].into());
-        assert!(h.allows(b, 25.0, 25.1, &syncs));
+        assert!(h.allows(b, 25.0, 25.1));
         // An address that was never ready.
-        assert!(!h.allows(ip("10.244.3.2"), 1.0, 30.0, &syncs));
+        assert!(!h.allows(ip("10.244.3.2"), 1.0, 30.0));
+        let (latencies, unseen) = h.apply_latencies();
+        assert_eq!((latencies.len(), unseen), (1, 1));
+        assert!((latencies[0] - 1.5).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_version_coming_back_is_seen_anew() {
+        let (a, b) = (ip("10.244.1.2"), ip("10.244.2.2"));
+        let mut h = History::new(0.0, [a].into());
+        h.observe(0.1, &[a].into());
+        h.push(1.0, [b].into());
+        h.observe(1.2, &[b].into());
+        h.push(2.0, [a].into());
+        // The kernel still holds b: the newest version with b is the one of 1 s.
+        h.observe(2.1, &[b].into());
+        assert!(h.allows(b, 2.2, 2.3));
+        h.observe(2.4, &[a].into());
+        assert!(!h.allows(b, 2.5, 2.6));
+        assert!(h.allows(a, 2.5, 2.6));
+        assert_eq!(h.unmatched, 0);
+        // A set no version from the current one on has.
+        h.observe(2.7, &[b].into());
+        assert_eq!(h.unmatched, 1);
+    }
+
+    #[test]
+    fn a_set_that_comes_back_does_not_pass_the_version_between() {
+        let (a, b) = (ip("10.244.1.2"), ip("10.244.2.2"));
+        let mut h = History::new(0.0, [a].into());
+        h.push(10.0, [b].into());
+        h.push(10.5, [a].into());
+        // Still the first version's rules (the daemon read the files at 10.2 s, say).
+        h.observe(10.6, &[a].into());
+        h.observe(11.5, &[b].into());
+        assert!(h.allows(b, 11.6, 11.7), "the kernel holds the second version");
+        h.observe(12.0, &[a].into());
+        assert!(!h.allows(b, 12.1, 12.2));
+        assert!(h.allows(a, 12.1, 12.2));
     }
 }
