@@ -35,8 +35,21 @@ fn one_malloc_arena() {
     }
 }
 
+/// `malloc_trim(0)`: glibc gives the free pages of its arenas back to the kernel (the daemon
+/// asks between syncs: `kube_proxy::daemon::memory`).
+fn malloc_trim() -> bool {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only releases free memory of glibc's arenas; no pointer changes.
+    unsafe {
+        nix::libc::malloc_trim(0) != 0
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    false
+}
+
 fn main() -> ExitCode {
     one_malloc_arena();
+    kube_proxy::daemon::memory::set_trim(malloc_trim);
     let cli = Cli::parse_from(normalize_args(std::env::args()));
     match run(cli) {
         Ok(code) => code,

@@ -81,6 +81,8 @@ pub enum Reason {
     },
     /// No kubelet chain in either backend; the rules each holds (both families).
     RuleCounts { legacy: usize, nft: usize },
+    /// No kubelet chain and no rule in legacy: nft, without counting its rules.
+    NoLegacyRules,
     /// Only this backend's tools are installed.
     OnlyInstalled,
     /// Neither `iptables-legacy-save` nor `iptables-nft-save` is installed.
@@ -93,12 +95,10 @@ impl fmt::Display for Reason {
             Reason::KubeletChain { backend, family, chain } => {
                 write!(f, "kubelet's chain {chain} is in the {backend} backend ({family})")
             }
-            Reason::RuleCounts { legacy: 0, nft: 0 } => {
-                f.write_str("no kubelet chain and no rules in either backend: nft by default")
-            }
             Reason::RuleCounts { legacy, nft } => {
                 write!(f, "no kubelet chain; {legacy} rules in legacy, {nft} in nft")
             }
+            Reason::NoLegacyRules => f.write_str("no kubelet chain and no rules in legacy: nft by default"),
             Reason::OnlyInstalled => f.write_str("only this backend's tools are installed"),
             Reason::NoneInstalled => f.write_str("neither iptables-legacy nor iptables-nft is installed"),
         }
@@ -118,9 +118,9 @@ pub trait Tools {
     /// The standard output of `program args…`; empty when it fails (a backend the kernel does
     /// not have reports nothing, which is what it holds).
     fn output(&mut self, program: &str, args: &[&str]) -> String;
-    /// Whether chain `chain` of nft table `ip <table>` exists, asked without the tools (which
-    /// fetch the whole ruleset first); `None` where that cannot be asked.
-    fn nft_chain_exists(&mut self, _table: &str, _chain: &str) -> Option<bool> {
+    /// Whether chain `chain` of nft table `ip <table>` (`ip6` for IPv6) exists, asked without
+    /// the tools (which fetch the whole ruleset first); `None` where that cannot be asked.
+    fn nft_chain_exists(&mut self, _family: IpFamily, _table: &str, _chain: &str) -> Option<bool> {
         None
     }
 }
@@ -165,11 +165,37 @@ pub fn detect(tools: &mut dyn Tools) -> Detection {
             reason: Reason::KubeletChain { backend, family, chain },
         })
     };
-    // nft first, and only its mangle table: kubelet's chains are there, and it is cheap.
+    // nft first, and only its mangle table: kubelet's chains are there. Asked over netlink
+    // where it can be: iptables-nft-save fetches the whole ruleset even for one table, seconds
+    // at 10,000 Services, and a dump that another agent's writes keep restarting never ends.
     for family in FAMILIES {
-        let mangle = tools.output(&Backend::Nft.tool(family, "-save"), &["-t", "mangle"]);
-        if let Some(d) = kubelet(Backend::Nft, family, &mangle) {
-            return d;
+        let mut asked = Some(None);
+        for chain in KUBELET_CHAINS {
+            match tools.nft_chain_exists(family, "mangle", chain) {
+                Some(true) => {
+                    asked = Some(Some(chain));
+                    break;
+                }
+                Some(false) => {}
+                None => {
+                    asked = None;
+                    break;
+                }
+            }
+        }
+        let found = match asked {
+            Some(found) => found,
+            None => kubelet_chain(&tools.output(&Backend::Nft.tool(family, "-save"), &["-t", "mangle"])),
+        };
+        if let Some(chain) = found {
+            return Detection {
+                backend: Backend::Nft,
+                reason: Reason::KubeletChain {
+                    backend: Backend::Nft,
+                    family,
+                    chain,
+                },
+            };
         }
     }
     let mut legacy_rules = 0;
@@ -179,6 +205,14 @@ pub fn detect(tools: &mut dyn Tools) -> Detection {
             return d;
         }
         legacy_rules += rule_count(&all);
+    }
+    // With no legacy rules nft wins whatever it holds: no need to dump it (a dump of the
+    // whole ruleset, as above).
+    if legacy_rules == 0 {
+        return Detection {
+            backend: Backend::Nft,
+            reason: Reason::NoLegacyRules,
+        };
     }
     let nft_rules: usize = FAMILIES
         .into_iter()
@@ -203,12 +237,15 @@ pub fn detect(tools: &mut dyn Tools) -> Detection {
 /// what [`detect`] chooses, as the daemon did. (Full dumps are what is slow on a node with
 /// 10^5 rules; iptables-nft fetches the whole ruleset even for one table.)
 pub fn in_use(tools: &mut dyn Tools) -> Backend {
-    let canary_in_nft = tools.nft_chain_exists("mangle", KUBE_PROXY_CANARY).unwrap_or_else(|| {
-        let save = Backend::Nft.tool(IpFamily::V4, "-save");
-        let declares =
-            |line: &str| line.strip_prefix(':').and_then(|r| r.split_whitespace().next()) == Some(KUBE_PROXY_CANARY);
-        tools.installed(&save) && tools.output(&save, &["-t", "mangle"]).lines().any(declares)
-    });
+    let canary_in_nft = tools
+        .nft_chain_exists(IpFamily::V4, "mangle", KUBE_PROXY_CANARY)
+        .unwrap_or_else(|| {
+            let save = Backend::Nft.tool(IpFamily::V4, "-save");
+            let declares = |line: &str| {
+                line.strip_prefix(':').and_then(|r| r.split_whitespace().next()) == Some(KUBE_PROXY_CANARY)
+            };
+            tools.installed(&save) && tools.output(&save, &["-t", "mangle"]).lines().any(declares)
+        });
     if canary_in_nft {
         return Backend::Nft;
     }
@@ -230,9 +267,9 @@ impl Tools for Host {
         }
     }
 
-    fn nft_chain_exists(&mut self, table: &str, chain: &str) -> Option<bool> {
+    fn nft_chain_exists(&mut self, family: IpFamily, table: &str, chain: &str) -> Option<bool> {
         crate::nftables::netlink::NftSocket::new()
-            .and_then(|mut s| s.chain_exists(IpFamily::V4, table, chain))
+            .and_then(|mut s| s.chain_exists(family, table, chain))
             .ok()
     }
 }
@@ -275,6 +312,8 @@ mod tests {
         installed: Vec<&'static str>,
         outputs: BTreeMap<String, String>,
         calls: Vec<String>,
+        /// The chains of the nft backend that netlink reports (`None`: it cannot be asked).
+        netlink: Option<Vec<(IpFamily, &'static str, &'static str)>>,
     }
 
     impl Fixture {
@@ -301,6 +340,36 @@ mod tests {
             self.calls.push(command.clone());
             self.outputs.get(&command).cloned().unwrap_or_default()
         }
+
+        fn nft_chain_exists(&mut self, family: IpFamily, table: &str, chain: &str) -> Option<bool> {
+            let chains = self.netlink.as_ref()?;
+            Some(chains.iter().any(|c| *c == (family, table, chain)))
+        }
+    }
+
+    #[test]
+    fn kubelets_nft_chains_are_asked_over_netlink_without_a_dump() {
+        let mut t = Fixture::both().with("iptables-legacy-save", THREE_RULES);
+        t.netlink = Some(vec![(IpFamily::V6, "mangle", "KUBE-KUBELET-CANARY")]);
+        let d = detect(&mut t);
+        assert_eq!(
+            d.reason,
+            Reason::KubeletChain {
+                backend: Backend::Nft,
+                family: IpFamily::V6,
+                chain: "KUBE-KUBELET-CANARY"
+            }
+        );
+        assert!(t.calls.is_empty(), "no dump: {:?}", t.calls);
+        // Nothing in the nft backend: on to legacy's dumps, still without nft's mangle dump.
+        let mut t = Fixture::both().with("iptables-legacy-save", CANARY_ONLY);
+        t.netlink = Some(Vec::new());
+        assert_eq!(detect(&mut t).backend, Backend::Legacy);
+        assert!(
+            !t.calls.iter().any(|c| c.contains("nft-save -t mangle")),
+            "{:?}",
+            t.calls
+        );
     }
 
     const KUBELET_MANGLE: &str =
@@ -395,14 +464,17 @@ mod tests {
             .with("iptables-legacy-save", ONE_RULE)
             .with("iptables-nft-save", ONE_RULE);
         assert_eq!(detect(&mut t).backend, Backend::Nft);
-        let d = detect(&mut Fixture::both());
+        // No legacy rules: nft, without a dump of it.
+        let mut t = Fixture::both().with("iptables-nft-save", ONE_RULE);
+        let d = detect(&mut t);
         assert_eq!(
             chose(&d),
             (
                 Backend::Nft,
-                "no kubelet chain and no rules in either backend: nft by default".to_string()
+                "no kubelet chain and no rules in legacy: nft by default".to_string()
             )
         );
+        assert!(!t.calls.iter().any(|c| c.ends_with("nft-save")), "{:?}", t.calls);
     }
 
     #[test]

@@ -168,16 +168,22 @@ impl<'a> Agent<'a> {
             "add rule inet {TABLE} input ip saddr 192.0.2.{k} counter accept comment \"{}\"",
             comment("nft", k)
         );
-        let out = self
-            .ns
-            .exec_ok("nft", ["-e", "-a", &rule])
+        // Not `nft -e -a add rule`: echoing the handle makes nft fetch every table first,
+        // tens of seconds beside iptables-nft's 10,000-Service nat table; listing the chain
+        // after costs nothing.
+        self.ns
+            .exec_ok("nft", [&rule])
             .unwrap_or_else(|e| panic!("agent: nft {rule}: {e:#}"));
-        let handle = out
-            .split("# handle ")
-            .nth(1)
-            .and_then(|h| h.split_whitespace().next())
-            .and_then(|h| h.parse().ok())
-            .unwrap_or_else(|| panic!("agent: no handle in {out:?}"));
+        let listed = self
+            .ns
+            .exec_ok("nft", ["-a", "list", "chain", "inet", TABLE, "input"])
+            .unwrap_or_else(|e| panic!("agent: nft list chain: {e:#}"));
+        let tag = format!("comment \"{}\" # handle ", comment("nft", k));
+        let handle = listed
+            .lines()
+            .find_map(|l| l.split(&tag).nth(1))
+            .and_then(|h| h.trim().parse().ok())
+            .unwrap_or_else(|| panic!("agent: no handle for rule {k} in {listed:?}"));
         self.nft.insert(k, handle);
     }
 
