@@ -343,7 +343,7 @@ mod tests {
 
         fn nft_chain_exists(&mut self, family: IpFamily, table: &str, chain: &str) -> Option<bool> {
             let chains = self.netlink.as_ref()?;
-            Some(chains.iter().any(|c| *c == (family, table, chain)))
+            Some(chains.contains(&(family, table, chain)))
         }
     }
 
