@@ -154,8 +154,19 @@ def row(r):
         f"{f['tick_latency_p50_ms']:,.0f} / {f['tick_latency_max_ms']:,.0f} ms | "
         f"{f['drift_checks']} / **{f['drift_differences']}** | **{st['failed']}** of {st['connects']:,} | "
         f"**{lv['violations']}** of {lv['landed']:,} ({lv['refused']:,} refused) | "
+        f"{live_apply(f, lv)} | "
         f"{f['rss_start_mib']:.1f} → {f['rss_end_mib']:.1f} MiB (**{growth}**), peak {f['rss_peak_mib']:.1f} | "
         f"{f['cpu_mean_pct']:.0f} % + {f['children_cpu_mean_pct']:.0f} % | {r['load_start']} → {r['load_end']} |"
+    )
+
+
+def live_apply(f, lv):
+    """The live Services' changes seen in the kernel, and how long they took (newer JSON only)."""
+    if "live_apply_p50_ms" not in f:
+        return "n/a"
+    return (
+        f"{f['live_apply_p50_ms']:,.0f} / {f['live_apply_p99_ms']:,.0f} / {f['live_apply_max_ms']:,.0f} ms "
+        f"({lv['changes_seen']:,} seen)"
     )
 
 
@@ -168,18 +179,20 @@ def readme_section(reports):
         "endpoints scaled, readiness flipped, ports changed; a fifth of the changes go to Services "
         "whose endpoints are the test bed's pods); real connections from the client pod to 3 stable "
         "Services (none may fail) and to 3 churning ones (each must land on an endpoint that was "
-        "ready); after every K syncs the churn pauses for a drift check: the kernel read back "
-        "(`nft -j list table` / `iptables-save`) against a fresh full render of the same files, "
+        "ready, allowing for the time until the kernel's rules, read back every 100 ms, showed the "
+        "change); after every K syncs the churn pauses for a drift check: the kernel read back "
+        "(over netlink / `iptables-save`) against a fresh full render of the same files, "
         "0 differences expected. Change → in kernel: a drift check's tick, from the file's rename "
-        "until the kernel's listing showed it (listing time included). CPU: the daemon, and its "
+        "until the kernel's read-back showed it (read time included); live: each change of a churning "
+        "Service's endpoints until its rules read back showed it, p50 / p99 / max. CPU: the daemon, and its "
         "children (`iptables-restore`), in % of one core. RSS growth: the mean of the last tenth "
         "of the samples after warm-up over the first tenth. What the runs found, and what the "
         "numbers do not yet mean: [docs/soak.md](docs/soak.md).",
         "",
         "| mode | size | length | changes | syncs | sync p50 / p99 | change → in kernel p50 / max "
         "| drift checks / differences | stable connects failed | landings on endpoints not ready "
-        "| daemon RSS after warm-up → end | CPU | load average |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| live change → in kernel | daemon RSS after warm-up → end | CPU | load average |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [row(r) for r in reports]
     lines.append("")

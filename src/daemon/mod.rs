@@ -17,7 +17,6 @@ pub mod config_watch;
 pub mod debug;
 pub mod host;
 pub mod leftovers;
-pub mod memory;
 pub mod modes;
 pub mod runner;
 pub mod sync_loop;

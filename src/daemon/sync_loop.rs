@@ -19,7 +19,6 @@ use tracing::{debug, error, info, warn};
 
 use super::host::Host;
 use super::leftovers::Leftovers;
-use super::memory::Trimmer;
 use super::runner::{Action, FamilyTraits, Runner, RunnerConfig, SyncKind};
 use super::telemetry::Telemetry;
 use crate::app;
@@ -54,8 +53,6 @@ pub struct SyncLoop {
     /// The families whose last sync succeeded on the builder's latest state: the changes of
     /// their next build are exactly what their proxier has yet to program.
     in_step: BTreeSet<IpFamily>,
-    /// Gives freed memory back to the kernel while idle.
-    trimmer: Trimmer,
 }
 
 impl SyncLoop {
@@ -90,7 +87,6 @@ impl SyncLoop {
             programmed: BTreeSet::new(),
             removing: false,
             in_step: BTreeSet::new(),
-            trimmer: Trimmer::default(),
         }
     }
 
@@ -106,14 +102,8 @@ impl SyncLoop {
         loop {
             match self.runner.next(now()) {
                 Action::Check => self.check(),
-                Action::Sync(syncs) => {
-                    self.sync(&syncs).await;
-                    self.trimmer.synced();
-                }
+                Action::Sync(syncs) => self.sync(&syncs).await,
                 Action::Wait(until) => {
-                    if self.trimmer.due(now()) {
-                        super::memory::trim();
-                    }
                     let update = match until {
                         None => updates.recv().await,
                         Some(t) => tokio::select! {
