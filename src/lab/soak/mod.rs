@@ -346,15 +346,28 @@ fn watch_kernel(sh: &Shared, node: &Node<'_>, pods: &[IpAddr], names: &[String])
     Ok(())
 }
 
-/// Waits until the daemon has made no sync for [`SETTLE`]: the churn's last changes are
-/// programmed, and the tick's sync comes late enough to delete the chains they left for later
-/// (a loaded daemon can still be syncing the churn seconds after it stopped).
-fn settle(sh: &Shared) -> Result<()> {
+/// Waits until the daemon has made no sync for [`SETTLE`] and its last sync programmed
+/// `ports` service ports, as many as the files hold: the churn's last changes are programmed,
+/// and the tick's sync comes late enough to delete the chains they left for later. A loaded
+/// daemon can still be syncing the churn seconds after it stopped, and its manifest source can
+/// lag further: at load average 7 a Service created before the pause reached a sync 25 s
+/// later, after the tick (docs/soak.md); the count catches most of that lag.
+fn settle(sh: &Shared, ports: usize) -> Result<()> {
     let deadline = Instant::now() + TICK_TIMEOUT;
     let (mut seen, mut since) = (sh.sync_count.load(Ordering::SeqCst), Instant::now());
-    while since.elapsed() < SETTLE {
+    let caught_up = || {
+        sh.syncs
+            .lock()
+            .expect("syncs")
+            .last()
+            .is_some_and(|s| s.services == ports)
+    };
+    while since.elapsed() < SETTLE || !caught_up() {
         if Instant::now() > deadline {
-            bail!("the daemon kept syncing for {TICK_TIMEOUT:?} after the churn paused");
+            bail!(
+                "{TICK_TIMEOUT:?} after the churn paused, the daemon was still syncing or had not \
+                 programmed the {ports} service ports of the files"
+            );
         }
         std::thread::sleep(Duration::from_millis(50));
         let now = sh.sync_count.load(Ordering::SeqCst);
@@ -377,7 +390,7 @@ impl Node<'_> {
     /// Pauses, writes a tick, waits for the kernel to show it, and compares.
     fn drift_check(&self, sh: &Shared, cluster: &mut SoakCluster) -> Result<DriftCheck> {
         let started = Instant::now();
-        settle(sh)?;
+        settle(sh, cluster.service_count())?;
         let ((name, text), ip) = cluster.next_tick();
         let written = Instant::now();
         write_file(self.dir, &name, &text)?;
