@@ -390,12 +390,18 @@ pub fn render_iptables(flags: &[String], dir: &Path, node: &Netns, scratch: &Net
     Ok(crate::iptables::render(&state, &opts).restore)
 }
 
+/// Moves the calling thread into the network namespace `ns` (the rest of the process stays).
+pub fn enter(ns: &Netns) -> Result<()> {
+    let file = std::fs::File::open(format!("/run/netns/{}", ns.name()))?;
+    nix::sched::setns(file, nix::sched::CloneFlags::CLONE_NEWNET)
+        .with_context(|| format!("entering the namespace {}", ns.name()))
+}
+
 /// Runs `f` on a thread that entered the network namespace `ns`.
 fn in_netns<T: Send>(ns: &Netns, f: impl FnOnce() -> T + Send) -> Result<T> {
-    let file = std::fs::File::open(format!("/run/netns/{}", ns.name()))?;
     std::thread::scope(|s| {
         s.spawn(|| -> Result<T> {
-            nix::sched::setns(file, nix::sched::CloneFlags::CLONE_NEWNET)?;
+            enter(ns)?;
             Ok(f())
         })
         .join()

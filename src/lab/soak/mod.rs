@@ -304,8 +304,7 @@ fn probe_live(sh: &Shared, bed: &Testbed, live: &[SocketAddr], pod_of: &BTreeMap
 /// that enters the node's namespace), and tells each one's history which endpoints they send
 /// to, at the end of each read.
 fn watch_kernel(sh: &Shared, node: &Node<'_>, pods: &[IpAddr], names: &[String]) -> Result<()> {
-    let ns = std::fs::File::open(format!("/run/netns/{}", node.bed.node.name()))?;
-    nix::sched::setns(ns, nix::sched::CloneFlags::CLONE_NEWNET).context("entering the node's namespace")?;
+    drift::enter(&node.bed.node)?;
     let (cfg, state, _) = drift::desired(&node.flags(), node.dir)?;
     let ports = names
         .iter()
