@@ -92,15 +92,22 @@ pub struct Reload {
     pub messages: Vec<String>,
 }
 
-/// Which files define each object of one kind, in path order (the first one's wins).
-type Owners = HashMap<ObjectName, BTreeSet<PathBuf>>;
+/// Which files define each object of one kind, in path order (the first one's wins), and
+/// the objects more than one file defines (kept as files change, so that the warnings need
+/// no walk over the cluster). A file's path is shared by its objects: one pointer each rather
+/// than a copy of the path in a tree node of its own.
+#[derive(Default)]
+struct Owners {
+    files: HashMap<ObjectName, Vec<Arc<Path>>>,
+    twice: BTreeSet<ObjectName>,
+}
 
 /// Reloads a manifest directory, remembering the last good content of every file, converted.
 pub struct ManifestSource {
     dir: PathBuf,
     /// Decides endpoint locality when slices are converted.
     node_name: String,
-    files: BTreeMap<PathBuf, FileEntries>,
+    files: BTreeMap<Arc<Path>, FileEntries>,
     /// The merged view of `files`.
     merged: Store,
     service_files: Owners,
@@ -115,8 +122,8 @@ impl ManifestSource {
             node_name: node_name.to_string(),
             files: BTreeMap::new(),
             merged: Store::default(),
-            service_files: HashMap::new(),
-            slice_files: HashMap::new(),
+            service_files: Owners::default(),
+            slice_files: Owners::default(),
         }
     }
 
@@ -131,7 +138,7 @@ impl ManifestSource {
         match manifest::manifest_files(&self.dir) {
             Ok(files) => {
                 let listed: BTreeSet<PathBuf> = files.into_iter().collect();
-                let gone: Vec<PathBuf> = self.files.keys().filter(|f| !listed.contains(*f)).cloned().collect();
+                let gone: Vec<Arc<Path>> = self.files.keys().filter(|f| !listed.contains(&***f)).cloned().collect();
                 for file in gone {
                     changes.extend(self.replace_file(&file, None));
                 }
@@ -156,7 +163,7 @@ impl ManifestSource {
             }
             if path.is_file() {
                 changes.extend(self.reread(path, &mut messages));
-            } else if self.files.contains_key(path) {
+            } else if self.files.contains_key(path.as_path()) {
                 changes.extend(self.replace_file(path, None));
             }
         }
@@ -187,16 +194,20 @@ impl ManifestSource {
     /// Makes `entries` what `file` holds (`None`: the file is gone) and brings the merged
     /// view along; the changes to it.
     fn replace_file(&mut self, file: &Path, entries: Option<FileEntries>) -> Vec<Change> {
+        let key: Arc<Path> = match self.files.get_key_value(file) {
+            Some((k, _)) => k.clone(),
+            None => Arc::from(file),
+        };
         let old = match entries {
-            Some(new) => self.files.insert(file.to_path_buf(), new),
+            Some(new) => self.files.insert(key.clone(), new),
             None => self.files.remove(file),
         };
         let new = self.files.get(file);
         let mut changes = Vec::new();
         let service_names = names(old.as_ref().map(|f| &f.services), new.map(|f| &f.services));
         let slice_names = names(old.as_ref().map(|f| &f.slices), new.map(|f| &f.slices));
-        reindex(&mut self.service_files, file, &service_names, new.map(|f| &f.services));
-        reindex(&mut self.slice_files, file, &slice_names, new.map(|f| &f.slices));
+        reindex(&mut self.service_files, &key, &service_names, new.map(|f| &f.services));
+        reindex(&mut self.slice_files, &key, &slice_names, new.map(|f| &f.slices));
         for name in service_names {
             let entry = effective(&self.files, &self.service_files, &name, |f| &f.services);
             if set(&mut self.merged.services, &name, entry.clone()) {
@@ -296,29 +307,51 @@ fn names<T>(old: Option<&Vec<(ObjectName, T)>>, new: Option<&Vec<(ObjectName, T)
 }
 
 /// Files `file` under the names it defines now, and off the ones it no longer does.
-fn reindex<T>(owners: &mut Owners, file: &Path, touched: &BTreeSet<ObjectName>, now: Option<&Vec<(ObjectName, T)>>) {
+fn reindex<T>(
+    owners: &mut Owners,
+    file: &Arc<Path>,
+    touched: &BTreeSet<ObjectName>,
+    now: Option<&Vec<(ObjectName, T)>>,
+) {
     let defines: BTreeSet<&ObjectName> = now.into_iter().flatten().map(|(n, _)| n).collect();
     for name in touched {
-        if defines.contains(name) {
-            owners.entry(name.clone()).or_default().insert(file.to_path_buf());
-        } else if let Some(files) = owners.get_mut(name) {
-            files.remove(file);
-            if files.is_empty() {
-                owners.remove(name);
+        let count = if defines.contains(name) {
+            let files = owners.files.entry(name.clone()).or_default();
+            if let Err(i) = files.binary_search(file) {
+                // Exactly one slot for the usual single file (`push` would reserve four).
+                files.reserve_exact(1);
+                files.insert(i, file.clone());
             }
+            files.len()
+        } else if let Some(files) = owners.files.get_mut(name) {
+            if let Ok(i) = files.binary_search(file) {
+                files.remove(i);
+            }
+            let count = files.len();
+            if count == 0 {
+                owners.files.remove(name);
+            }
+            count
+        } else {
+            0
+        };
+        if count > 1 {
+            owners.twice.insert(name.clone());
+        } else {
+            owners.twice.remove(name);
         }
     }
 }
 
 /// The entry of `name` in the first file (in path order) that defines it.
 fn effective<T>(
-    files: &BTreeMap<PathBuf, FileEntries>,
+    files: &BTreeMap<Arc<Path>, FileEntries>,
     owners: &Owners,
     name: &ObjectName,
     kind: impl Fn(&FileEntries) -> &Vec<(ObjectName, Arc<T>)>,
 ) -> Option<Arc<T>> {
-    let first = owners.get(name)?.iter().next()?;
-    kind(files.get(first)?)
+    let first = owners.files.get(name)?.first()?;
+    kind(files.get(&**first)?)
         .iter()
         .find(|(n, _)| n == name)
         .map(|(_, e)| e.clone())
@@ -341,13 +374,11 @@ fn set<T: PartialEq>(map: &mut BTreeMap<ObjectName, Arc<T>>, name: &ObjectName, 
 }
 
 /// "Defined more than once" for every object that more than one file defines, as
-/// [`Store::insert_service`] words it.
+/// [`Store::insert_service`] words it (kept as files change: no walk over the cluster).
 fn duplicate_warnings(services: &Owners, slices: &Owners) -> Vec<String> {
     let mut out = Vec::new();
     for (kind, owners) in [("Service", services), ("EndpointSlice", slices)] {
-        let mut twice: Vec<&ObjectName> = owners.iter().filter(|(_, f)| f.len() > 1).map(|(n, _)| n).collect();
-        twice.sort();
-        for (ns, name) in twice {
+        for (ns, name) in &owners.twice {
             out.push(format!(
                 "{kind} {ns}/{name}: defined more than once; the first definition is used"
             ));
