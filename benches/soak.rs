@@ -102,6 +102,7 @@ fn main() {
         duration_s: env_or("DURATION", 1800.0),
         rate: env_or("RATE", 40.0),
         k: env_or("K", 40),
+        min_drift_checks: 0,
         sample_every_s: env_or("SAMPLE", 2.0),
         warmup_s: env_or("WARMUP", 120.0),
         pods: 6,

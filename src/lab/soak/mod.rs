@@ -54,6 +54,10 @@ pub struct Config {
     pub rate: f64,
     /// IPv4 syncs between drift checks.
     pub k: usize,
+    /// Drift checks the run must make (the one before the churn counts): where the daemon
+    /// syncs slowly (a debug build on a loaded machine), the churn goes on past `duration_s`
+    /// until it has made them, for at most three times as long again.
+    pub min_drift_checks: usize,
     pub sample_every_s: f64,
     /// RSS growth is measured from this many seconds into the churn.
     pub warmup_s: f64,
@@ -513,11 +517,16 @@ pub fn run(cfg: &Config) -> Result<Report> {
         let kernel = s.spawn(|| watch_kernel(&sh, &node, &pods, &live_names));
         checks.push(node.drift_check(&sh, &mut cluster)?);
         let end = Instant::now() + Duration::from_secs_f64(cfg.duration_s);
+        let cap = end + Duration::from_secs_f64(cfg.duration_s * 3.0);
+        let churning = |checks: usize| {
+            let now = Instant::now();
+            now < end || (checks < cfg.min_drift_checks && now < cap)
+        };
         let interval = Duration::from_secs_f64(1.0 / cfg.rate);
         let mut last_check = sh.sync_count.load(Ordering::SeqCst);
-        while Instant::now() < end {
+        while churning(checks.len()) {
             let (burst, mut n) = (Instant::now(), 0u32);
-            while Instant::now() < end && sh.sync_count.load(Ordering::SeqCst) < last_check + cfg.k {
+            while churning(checks.len()) && sh.sync_count.load(Ordering::SeqCst) < last_check + cfg.k {
                 let (kind, name, text) = cluster.change();
                 write_file(&dir.0, &name, &text)?;
                 if kind == Change::LiveEndpoints {
