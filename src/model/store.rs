@@ -11,7 +11,7 @@
 //! At 10,000 Services × 10 endpoints the objects take ~62 MiB as k8s-openapi values and ~12
 //! MiB as entries (see docs/nftables.md, "Daemon memory").
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::SystemTime;
 
@@ -116,6 +116,37 @@ impl Store {
             Change::ServiceCidrs(cidrs) => {
                 Applied::Other(std::mem::replace(&mut self.service_cidrs, cidrs) != self.service_cidrs)
             }
+            // Turned into deletions by the builder ([`StateBuilder::apply`]) before they come
+            // here; alone they delete the Services or slices not listed.
+            Change::ServicesListed(names) => {
+                let before = self.services.len();
+                self.services.retain(|k, _| names.contains(k));
+                Applied::Other(self.services.len() != before)
+            }
+            Change::SlicesListed(names) => {
+                let before = self.slices.len();
+                self.slices.retain(|k, _| names.contains(k));
+                Applied::Other(self.slices.len() != before)
+            }
+        }
+    }
+
+    /// `change`, with a relist's list of names turned into the deletions it means.
+    fn expand(&self, change: Change, out: &mut Vec<Change>) {
+        match change {
+            Change::ServicesListed(names) => out.extend(
+                self.services
+                    .keys()
+                    .filter(|k| !names.contains(*k))
+                    .map(|k| Change::Service(k.clone(), None)),
+            ),
+            Change::SlicesListed(names) => out.extend(
+                self.slices
+                    .keys()
+                    .filter(|k| !names.contains(*k))
+                    .map(|k| Change::Slice(k.clone(), None)),
+            ),
+            other => out.push(other),
         }
     }
 }
@@ -131,6 +162,11 @@ pub enum Change {
     Nodes(Vec<Node>),
     /// The ServiceCIDRs, whole.
     ServiceCidrs(Vec<ServiceCIDR>),
+    /// A relist of Services completed: these are the names listed, and every other Service
+    /// was deleted meanwhile (the listed versions come as changes of their own).
+    ServicesListed(HashSet<ObjectName>),
+    /// The same for EndpointSlices.
+    SlicesListed(HashSet<ObjectName>),
 }
 
 /// What [`Store::apply`] replaced.
@@ -220,7 +256,11 @@ impl StateBuilder {
         let mut summary = Changes::default();
         let mut dirty: BTreeSet<ObjectName> = BTreeSet::new();
         let mut dirty_slices: BTreeSet<ObjectName> = BTreeSet::new();
+        let mut expanded = Vec::with_capacity(changes.len());
         for change in changes {
+            self.store.expand(change, &mut expanded);
+        }
+        for change in expanded {
             match change {
                 Change::Service(name, entry) => {
                     let new = entry.clone();

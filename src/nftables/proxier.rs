@@ -119,10 +119,61 @@ struct Port {
     blocks: Option<PortBlocks>,
 }
 
+/// The programmed ports, found by name. A set of ports keyed by the name each holds, rather
+/// than a map from a copy of the name: at 44,000 ports the copies took 5 MiB.
+#[derive(Default)]
+struct Ports(HashSet<ByName>);
+
+/// A [`Port`] that hashes and compares as its name.
+struct ByName(Port);
+
+impl PartialEq for ByName {
+    fn eq(&self, other: &ByName) -> bool {
+        self.0.state.port.name == other.0.state.port.name
+    }
+}
+
+impl Eq for ByName {}
+
+impl std::hash::Hash for ByName {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.0.state.port.name.hash(state);
+    }
+}
+
+impl std::borrow::Borrow<ServicePortName> for ByName {
+    fn borrow(&self) -> &ServicePortName {
+        &self.0.state.port.name
+    }
+}
+
+impl Ports {
+    fn get(&self, name: &ServicePortName) -> Option<&Port> {
+        self.0.get(name).map(|p| &p.0)
+    }
+
+    /// Adds `port`, replacing the one of the same name.
+    fn insert(&mut self, port: Port) {
+        self.0.replace(ByName(port));
+    }
+
+    fn remove(&mut self, name: &ServicePortName) -> Option<Port> {
+        self.0.take(name).map(|p| p.0)
+    }
+
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    fn names(&self) -> impl Iterator<Item = &ServicePortName> {
+        self.0.iter().map(|p| &p.0.state.port.name)
+    }
+}
+
 /// What the kernel holds after the last successful transaction.
 struct Applied {
     renderer: ServiceRenderer,
-    services: HashMap<ServicePortName, Port>,
+    services: Ports,
     blocks: Blocks,
     /// Every element several ports may own, with its owners (the last one by name wins, as in
     /// a full render where later ports overwrite earlier ones).
@@ -139,7 +190,7 @@ impl Applied {
     fn new(renderer: ServiceRenderer) -> Applied {
         Applied {
             renderer,
-            services: HashMap::new(),
+            services: Ports::default(),
             blocks: Blocks::default(),
             elements: HashMap::new(),
             hairpins: HashMap::new(),
@@ -633,7 +684,7 @@ fn plan_all(plan: &mut Plan, applied: &mut Applied, state: &ProxyState) {
         let present: HashSet<&ServicePortName> = state.service_ports.iter().map(|s| &s.port.name).collect();
         let gone: Vec<ServicePortName> = applied
             .services
-            .keys()
+            .names()
             .filter(|n| !present.contains(n))
             .cloned()
             .collect();
@@ -668,7 +719,7 @@ fn add_port(plan: &mut Plan, applied: &mut Applied, sps: &Arc<ServicePortState>)
         + objs.hairpins.len()
         + objs.sets.len();
     plan_service(plan, applied, sps, None, Some(objs));
-    applied.services.insert(sps.port.name.clone(), port);
+    applied.services.insert(port);
     ops
 }
 
@@ -682,7 +733,7 @@ fn change_port(plan: &mut Plan, applied: &mut Applied, old: &Port, sps: &Arc<Ser
     };
     let new_objs = applied.objects(&port);
     plan_service(plan, applied, sps, Some(old_objs), Some(new_objs));
-    applied.services.insert(sps.port.name.clone(), port);
+    applied.services.insert(port);
 }
 
 /// Adds to `plan` the commands that turn one service port's `old` objects into `new` ones,

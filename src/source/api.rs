@@ -25,7 +25,7 @@
 //! refused list (403: RBAC without `servicecidrs`) is retried like any other watch: the check
 //! only adds drops, so programming it a moment later loses nothing.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -58,7 +58,87 @@ pub fn label_selector() -> String {
     format!("!{LABEL_HEADLESS},!{LABEL_SERVICE_PROXY_NAME}")
 }
 
-/// One kind's objects by `(namespace, name)`, as converted on arrival, plus the relist buffer.
+/// A kind handed on one object at a time (Services, EndpointSlices). The source keeps none of
+/// its objects: the daemon's store holds each entry once and compares every version handed on
+/// with its own (an equal one is no change), so the source needs only a relist's objects, until
+/// the relist completes. (Keeping a copy here held 20 MiB at 44,000 Services.)
+struct Forwarded<T> {
+    /// During a relist: the objects listed so far, and the names listed (also of objects that
+    /// did not decode, which keep the version the daemon has).
+    relist: Option<(Vec<(ObjectName, T)>, HashSet<ObjectName>)>,
+    synced: bool,
+}
+
+impl<T> Default for Forwarded<T> {
+    fn default() -> Self {
+        Forwarded {
+            relist: None,
+            synced: false,
+        }
+    }
+}
+
+impl<T> Forwarded<T> {
+    /// Applies one watcher event, decoding and converting objects with `convert`: the changes
+    /// to hand on, made by `change` (a version, or `None` for a deletion) and, when a relist
+    /// completes, `listed` (the names listed: the others were deleted meanwhile).
+    fn apply<K: Kind>(
+        &mut self,
+        event: watcher::Event<Raw<K>>,
+        convert: impl Fn(&K) -> T,
+        change: impl Fn(ObjectName, Option<T>) -> Change,
+        listed: impl FnOnce(HashSet<ObjectName>) -> Change,
+    ) -> Vec<Change> {
+        match event {
+            watcher::Event::Init => {
+                self.relist = Some((Vec::new(), HashSet::new()));
+                Vec::new()
+            }
+            watcher::Event::InitApply(o) => {
+                let name = object_name(o.meta());
+                let entry = decoded(o, convert);
+                if let Some((objects, names)) = self.relist.as_mut() {
+                    if let Some(entry) = entry {
+                        objects.push((name.clone(), entry));
+                    }
+                    names.insert(name);
+                }
+                Vec::new()
+            }
+            watcher::Event::InitDone => {
+                self.synced = true;
+                let (objects, names) = self.relist.take().unwrap_or_default();
+                let mut out = Vec::with_capacity(objects.len() + 1);
+                out.push(listed(names));
+                out.extend(objects.into_iter().map(|(name, entry)| change(name, Some(entry))));
+                out
+            }
+            watcher::Event::Apply(o) => {
+                let name = object_name(o.meta());
+                decoded(o, convert)
+                    .map(|entry| change(name, Some(entry)))
+                    .into_iter()
+                    .collect()
+            }
+            watcher::Event::Delete(o) => vec![change(object_name(o.meta()), None)],
+        }
+    }
+}
+
+/// `raw` decoded and converted. One that does not decode is reported (naming it and the field)
+/// and handed on as nothing: the version the daemon has of it, if any, stays.
+fn decoded<K: Kind, T>(raw: Raw<K>, convert: impl Fn(&K) -> T) -> Option<T> {
+    match raw.decode() {
+        Ok(o) => Some(convert(&o)),
+        Err(e) => {
+            warn!("{e}; object skipped (a version of it the proxy has stays)");
+            None
+        }
+    }
+}
+
+/// A kind handed on whole (Nodes, ServiceCIDRs: few), by `(namespace, name)`, plus the relist
+/// buffer.
 struct KindStore<T> {
     objects: BTreeMap<ObjectName, T>,
     relist: Option<BTreeMap<ObjectName, T>>,
@@ -81,97 +161,48 @@ pub trait Kind: k8s_openapi::Resource + DeserializeOwned + Send + Sync + 'static
 impl<K: k8s_openapi::Resource + DeserializeOwned + Send + Sync + 'static> Kind for K {}
 
 impl<T: PartialEq + Clone> KindStore<T> {
-    /// Applies one watcher event, decoding and converting objects with `convert`; what the
-    /// proxy sees change, as `(name, new version or None)` (an update that converts to an equal
-    /// entry changes nothing, nor does one that does not decode).
-    fn apply<K: Kind>(
-        &mut self,
-        event: watcher::Event<Raw<K>>,
-        convert: impl Fn(&K) -> T,
-    ) -> Vec<(ObjectName, Option<T>)> {
-        match event {
+    /// Applies one watcher event, decoding and converting objects with `convert`: every
+    /// object, if anything changed (an update that converts to an equal entry changes nothing,
+    /// nor does one that does not decode, which keeps its version).
+    fn apply_whole<K: Kind>(&mut self, event: watcher::Event<Raw<K>>, convert: impl Fn(&K) -> T) -> Option<Vec<T>> {
+        let changed = match event {
             watcher::Event::Init => {
                 self.relist = Some(BTreeMap::new());
-                Vec::new()
+                false
             }
             watcher::Event::InitApply(o) => {
                 let name = object_name(o.meta());
-                let entry = self.decoded(&name, o, convert);
+                let entry = decoded(o, convert).or_else(|| self.objects.get(&name).cloned());
                 if let (Some(buf), Some(entry)) = (self.relist.as_mut(), entry) {
                     buf.insert(name, entry);
                 }
-                Vec::new()
+                false
             }
             watcher::Event::InitDone => {
-                // Objects missing from the new list were deleted while we were not watching.
                 let new = self.relist.take().unwrap_or_default();
-                let old = std::mem::replace(&mut self.objects, new);
                 self.synced = true;
-                let mut out: Vec<(ObjectName, Option<T>)> = old
-                    .iter()
-                    .filter(|(k, _)| !self.objects.contains_key(*k))
-                    .map(|(k, _)| (k.clone(), None))
-                    .collect();
-                out.extend(
-                    self.objects
-                        .iter()
-                        .filter(|(k, v)| old.get(*k) != Some(*v))
-                        .map(|(k, v)| (k.clone(), Some(v.clone()))),
-                );
-                out
+                std::mem::replace(&mut self.objects, new) != self.objects
             }
             watcher::Event::Apply(o) => {
                 let name = object_name(o.meta());
-                let Some(entry) = self.decoded(&name, o, convert) else {
-                    return Vec::new();
-                };
-                if self.objects.get(&name) == Some(&entry) {
-                    return Vec::new();
-                }
-                self.objects.insert(name.clone(), entry.clone());
-                vec![(name, Some(entry))]
-            }
-            watcher::Event::Delete(o) => {
-                let name = object_name(o.meta());
-                match self.objects.remove(&name) {
-                    Some(_) => vec![(name, None)],
-                    None => Vec::new(),
+                match decoded(o, convert) {
+                    Some(entry) if self.objects.get(&name) != Some(&entry) => {
+                        self.objects.insert(name, entry);
+                        true
+                    }
+                    _ => false,
                 }
             }
-        }
-    }
-
-    /// `raw` decoded and converted. One that does not decode is reported (naming it and the
-    /// field) and keeps the version this store has of it, if any.
-    fn decoded<K: Kind>(&self, name: &ObjectName, raw: Raw<K>, convert: impl Fn(&K) -> T) -> Option<T> {
-        match raw.decode() {
-            Ok(o) => Some(convert(&o)),
-            Err(e) => {
-                let kept = self.objects.get(name).cloned();
-                let previous = if kept.is_some() {
-                    "; its previous version stays"
-                } else {
-                    ""
-                };
-                warn!("{e}; object skipped{previous}");
-                kept
-            }
-        }
-    }
-
-    /// As [`KindStore::apply`], for kinds handed on whole: every object, if anything changed.
-    fn apply_whole<K: Kind>(&mut self, event: watcher::Event<Raw<K>>, convert: impl Fn(&K) -> T) -> Option<Vec<T>> {
-        if self.apply(event, convert).is_empty() {
-            return None;
-        }
-        Some(self.objects.values().cloned().collect())
+            watcher::Event::Delete(o) => self.objects.remove(&object_name(o.meta())).is_some(),
+        };
+        changed.then(|| self.objects.values().cloned().collect())
     }
 }
 
 #[derive(Default)]
 struct Watched {
-    services: KindStore<Arc<ServiceEntry>>,
-    slices: KindStore<Arc<SliceEntry>>,
+    services: Forwarded<Arc<ServiceEntry>>,
+    slices: Forwarded<Arc<SliceEntry>>,
     nodes: KindStore<Node>,
     service_cidrs: KindStore<ServiceCIDR>,
 }
@@ -187,8 +218,9 @@ impl Watched {
 /// watch event (`{"type":"ADDED"|"MODIFIED"|"DELETED","object":{...}}`) of a Service,
 /// EndpointSlice or Node (by the object's `kind`), or `INIT` / `INIT_DONE`, which frame a
 /// relist as the watcher does (objects in between are listed, not applied). Each line goes
-/// through the decoding and the stores the watchers use; what the proxy sees change comes
-/// back as [`Change`]s. For the fuzz target over watch events, and tests.
+/// through the decoding and the stores the watchers use; what they hand the daemon comes back
+/// as [`Change`]s (versions equal to the daemon's are among them: its store finds them no
+/// change). For the fuzz target over watch events, and tests.
 pub struct Replay {
     watched: Watched,
     node_name: String,
@@ -243,14 +275,12 @@ impl Replay {
         if let Some(e) = services {
             out.extend(
                 w.services
-                    .apply(e, store::service_entry)
-                    .into_iter()
-                    .map(|(n, e)| Change::Service(n, e)),
+                    .apply(e, store::service_entry, Change::Service, Change::ServicesListed),
             );
         }
         if let Some(e) = slices {
-            let changes = w.slices.apply(e, |s| store::slice_entry(s, &node_name));
-            out.extend(changes.into_iter().map(|(n, e)| Change::Slice(n, e)));
+            let convert = |s: &EndpointSlice| store::slice_entry(s, &node_name);
+            out.extend(w.slices.apply(e, convert, Change::Slice, Change::SlicesListed));
         }
         if let Some(e) = nodes {
             out.extend(w.nodes.apply_whole(e, Node::clone).map(Change::Nodes));
@@ -324,8 +354,8 @@ impl ApiSource {
             svc_cfg.clone(),
             (store.clone(), updates.clone(), status.clone()),
             |w, e| {
-                let changes = w.services.apply(e, store::service_entry);
-                changes.into_iter().map(|(n, e)| Change::Service(n, e)).collect()
+                w.services
+                    .apply(e, store::service_entry, Change::Service, Change::ServicesListed)
             },
         ));
         runtime.spawn(watch::<EndpointSlice>(
@@ -335,8 +365,8 @@ impl ApiSource {
             {
                 let node_name = node_name.to_string();
                 move |w, e| {
-                    let changes = w.slices.apply(e, |s| store::slice_entry(s, &node_name));
-                    changes.into_iter().map(|(n, e)| Change::Slice(n, e)).collect()
+                    let convert = |s: &EndpointSlice| store::slice_entry(s, &node_name);
+                    w.slices.apply(e, convert, Change::Slice, Change::SlicesListed)
                 }
             },
         ));
@@ -652,75 +682,127 @@ mod tests {
         r.line("INIT").unwrap();
         assert!(r.line(&slice.replace("ADDED", "MODIFIED")).unwrap().is_empty());
         let done = r.line("INIT_DONE").unwrap();
-        assert!(matches!(&done[..], [Change::Service(_, None)]), "{done:?}");
+        assert!(
+            matches!(&done[..], [Change::ServicesListed(names), Change::SlicesListed(slices), Change::Slice(..)] if names.is_empty() && slices.len() == 1),
+            "{done:?}"
+        );
+    }
+
+    /// Service events through the source's handling and then the daemon's store, as the
+    /// daemon applies them.
+    #[derive(Default)]
+    struct Pipeline {
+        services: Forwarded<Arc<ServiceEntry>>,
+        builder: store::StateBuilder,
+    }
+
+    impl Pipeline {
+        /// How many Services changed for the proxy.
+        fn event(&mut self, e: watcher::Event<Raw<Service>>) -> usize {
+            let changes = self
+                .services
+                .apply(e, store::service_entry, Change::Service, Change::ServicesListed);
+            self.builder.apply(changes).services
+        }
+
+        fn held(&self, name: &str) -> Option<Arc<ServiceEntry>> {
+            self.builder
+                .store()
+                .services
+                .get(&("d".to_string(), name.to_string()))
+                .cloned()
+        }
+
+        fn names(&self) -> Vec<String> {
+            let services = &self.builder.store().services;
+            services.keys().map(|(ns, n)| format!("{ns}/{n}")).collect()
+        }
     }
 
     #[test]
     fn an_object_that_does_not_decode_is_skipped_and_keeps_its_previous_version() {
-        let mut k = KindStore::<Arc<ServiceEntry>>::default();
-        let conv = store::service_entry;
+        let mut p = Pipeline::default();
         for e in [
             watcher::Event::Init,
             watcher::Event::InitApply(with_ip("a", "10.0.0.1")),
             watcher::Event::InitApply(undecodable("never")),
         ] {
-            assert!(k.apply(e, conv).is_empty());
+            assert_eq!(p.event(e), 0);
         }
-        let listed = k.apply(watcher::Event::InitDone, conv);
-        assert_eq!(listed.len(), 1, "the list completes without the bad object: {listed:?}");
-        assert!(k.synced);
-        // An update that does not decode changes nothing: a keeps 10.0.0.1.
-        assert!(k.apply(watcher::Event::Apply(undecodable("a")), conv).is_empty());
-        let kept = k.objects.get(&("d".to_string(), "a".to_string())).cloned();
         assert_eq!(
-            kept,
-            Some(store::service_entry(&with_ip("a", "10.0.0.1").decode().unwrap()))
+            p.event(watcher::Event::InitDone),
+            1,
+            "the list completes without the bad object"
         );
+        assert!(p.services.synced);
+        // An update that does not decode changes nothing: a keeps 10.0.0.1.
+        assert_eq!(p.event(watcher::Event::Apply(undecodable("a"))), 0);
+        let expected = store::service_entry(&with_ip("a", "10.0.0.1").decode().unwrap());
+        assert_eq!(p.held("a"), Some(expected));
         // Neither does a relist in which it still does not.
-        k.apply(watcher::Event::Init, conv);
-        k.apply(watcher::Event::InitApply(undecodable("a")), conv);
-        assert!(
-            k.apply(watcher::Event::InitDone, conv).is_empty(),
-            "a is kept, not deleted"
-        );
-        assert_eq!(k.objects.len(), 1);
+        p.event(watcher::Event::Init);
+        p.event(watcher::Event::InitApply(undecodable("a")));
+        assert_eq!(p.event(watcher::Event::InitDone), 0, "a is kept, not deleted");
+        assert_eq!(p.names(), vec!["d/a"]);
         // A later good version applies, and a deletion needs only the name.
-        assert_eq!(k.apply(watcher::Event::Apply(with_ip("a", "10.0.0.2")), conv).len(), 1);
-        let gone = k.apply(watcher::Event::Delete(undecodable("a")), conv);
-        assert!(matches!(&gone[..], [(_, None)]), "{gone:?}");
-        assert!(k.objects.is_empty());
+        assert_eq!(p.event(watcher::Event::Apply(with_ip("a", "10.0.0.2"))), 1);
+        assert_eq!(p.event(watcher::Event::Delete(undecodable("a"))), 1);
+        assert!(p.names().is_empty());
     }
 
     #[test]
     fn relist_turns_missing_objects_into_deletions() {
-        let mut k = KindStore::<Arc<ServiceEntry>>::default();
-        let conv = store::service_entry;
+        let mut p = Pipeline::default();
         for e in [
             watcher::Event::Init,
             watcher::Event::InitApply(svc("a")),
             watcher::Event::InitApply(svc("b")),
         ] {
-            assert!(k.apply(e, conv).is_empty());
+            assert_eq!(p.event(e), 0);
         }
-        assert!(!k.synced);
-        assert_eq!(k.apply(watcher::Event::InitDone, conv).len(), 2);
-        assert_eq!(k.objects.len(), 2);
+        assert!(!p.services.synced);
+        assert_eq!(p.event(watcher::Event::InitDone), 2);
+        assert_eq!(p.names(), vec!["d/a", "d/b"]);
         // Reconnect: only "a" is listed again; "b" vanished while we were away.
-        k.apply(watcher::Event::Init, conv);
-        assert_eq!(k.objects.len(), 2, "the old view stays until the relist is complete");
-        k.apply(watcher::Event::InitApply(svc("a")), conv);
-        let gone: Vec<_> = k.apply(watcher::Event::InitDone, conv);
-        assert_eq!(gone.len(), 1, "b is deleted; a, unchanged, is no change");
-        assert!(gone[0].1.is_none());
-        let names: Vec<_> = k.objects.keys().map(|(ns, n)| format!("{ns}/{n}")).collect();
-        assert_eq!(names, vec!["d/a"]);
-        assert_eq!(k.apply(watcher::Event::Apply(svc("c")), conv).len(), 1);
-        assert!(
-            k.apply(watcher::Event::Apply(svc("c")), conv).is_empty(),
+        let held = p.held("a").expect("a");
+        p.event(watcher::Event::Init);
+        assert_eq!(p.names().len(), 2, "the old view stays until the relist is complete");
+        p.event(watcher::Event::InitApply(svc("a")));
+        assert_eq!(
+            p.event(watcher::Event::InitDone),
+            1,
+            "b is deleted; a, unchanged, is no change"
+        );
+        assert_eq!(p.names(), vec!["d/a"]);
+        assert_eq!(p.held("a"), Some(held), "a as it was");
+        assert_eq!(p.event(watcher::Event::Apply(svc("c"))), 1);
+        assert_eq!(
+            p.event(watcher::Event::Apply(svc("c"))),
+            0,
             "an update the proxy cannot see is no change"
         );
-        assert_eq!(k.apply(watcher::Event::Delete(svc("c")), conv).len(), 1);
-        assert!(k.apply(watcher::Event::Delete(svc("zzz")), conv).is_empty());
+        assert_eq!(p.event(watcher::Event::Delete(svc("c"))), 1);
+        assert_eq!(p.event(watcher::Event::Delete(svc("zzz"))), 0);
+    }
+
+    #[test]
+    fn the_source_keeps_no_copy_of_services_or_slices() {
+        let mut p = Pipeline::default();
+        for e in [
+            watcher::Event::Init,
+            watcher::Event::InitApply(svc("a")),
+            watcher::Event::InitDone,
+        ] {
+            p.event(e);
+        }
+        p.event(watcher::Event::Apply(svc("b")));
+        let held = p.held("a").expect("a");
+        assert!(p.services.relist.is_none());
+        assert_eq!(
+            Arc::strong_count(&held),
+            2,
+            "the store's entry and this one: no other copy"
+        );
     }
 
     #[test]

@@ -199,7 +199,11 @@ impl ManifestSource {
             None => Arc::from(file),
         };
         let old = match entries {
-            Some(new) => self.files.insert(key.clone(), new),
+            Some(mut new) => {
+                share(&self.merged.services, &mut new.services);
+                share(&self.merged.slices, &mut new.slices);
+                self.files.insert(key.clone(), new)
+            }
             None => self.files.remove(file),
         };
         let new = self.files.get(file);
@@ -358,6 +362,19 @@ fn effective<T>(
 }
 
 /// Sets the merged entry of `name`; whether it changed (equal entries are no change).
+/// Points each of a re-read file's entries that equals the version in effect at that version,
+/// so that an object whose file changed around it is held once, not twice.
+fn share<T: PartialEq>(merged: &BTreeMap<ObjectName, Arc<T>>, entries: &mut [(ObjectName, Arc<T>)]) {
+    for (name, entry) in entries {
+        if let Some(held) = merged.get(name)
+            && !Arc::ptr_eq(held, entry)
+            && **held == **entry
+        {
+            *entry = held.clone();
+        }
+    }
+}
+
 fn set<T: PartialEq>(map: &mut BTreeMap<ObjectName, Arc<T>>, name: &ObjectName, entry: Option<Arc<T>>) -> bool {
     let same = match (map.get(name), &entry) {
         (Some(a), Some(b)) => Arc::ptr_eq(a, b) || a == b,
@@ -448,6 +465,24 @@ mod tests {
         std::fs::remove_file(&f).unwrap();
         src.reload();
         assert!(src.merged().services.is_empty());
+    }
+
+    #[test]
+    fn an_object_unchanged_in_a_rewritten_file_is_held_once() {
+        let dir = tempdir("once");
+        let f = dir.0.join("svc.yaml");
+        let other = "---\napiVersion: v1\nkind: Service\nmetadata: {name: api, namespace: d}\nspec: {clusterIP: 10.96.0.2, ports: [{port: 80}]}\n";
+        std::fs::write(&f, format!("{SVC}{other}")).unwrap();
+        let mut src = ManifestSource::new(&dir.0, "node-a");
+        src.reload();
+        let web = ("d".to_string(), "web".to_string());
+        let before = src.merged().services[&web].clone();
+        std::fs::write(&f, format!("{SVC}{}", other.replace("10.96.0.2", "10.96.0.3"))).unwrap();
+        src.reload();
+        let after = &src.merged().services[&web];
+        assert!(Arc::ptr_eq(&before, after));
+        // This one, the merged view's and the file's: no copy made from the re-read.
+        assert_eq!(Arc::strong_count(after), 3);
     }
 
     #[test]
