@@ -65,9 +65,12 @@ pub fn label_selector() -> String {
 struct Forwarded<T> {
     /// During a relist: the objects listed so far, and the names listed (also of objects that
     /// did not decode, which keep the version the daemon has).
-    relist: Option<(Vec<(ObjectName, T)>, HashSet<ObjectName>)>,
+    relist: Option<Relist<T>>,
     synced: bool,
 }
+
+/// A relist in progress: the objects listed so far, and every name listed.
+type Relist<T> = (Vec<(ObjectName, T)>, HashSet<ObjectName>);
 
 impl<T> Default for Forwarded<T> {
     fn default() -> Self {
