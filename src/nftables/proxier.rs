@@ -25,7 +25,7 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::ast::{ChainDecl, ElemKey, Element, Op, Rule, SetDecl, Transaction, family_keyword};
+use super::ast::{ChainDecl, ElemKey, ElemValue, Element, Op, Rule, SetDecl, Transaction, family_keyword};
 use super::backend::{ListedSet, TableObjects, compatible};
 pub use super::backend::{
     NftBackend, NftCommand, NftError, ReadTable, Recorded, RecordingBackend, delete_table, nft_apply, table_exists,
@@ -176,8 +176,12 @@ struct Applied {
     services: Ports,
     blocks: Blocks,
     /// Every element several ports may own, with its owners (the last one by name wins, as in
-    /// a full render where later ports overwrite earlier ones).
-    elements: HashMap<(String, ElemKey), Owners>,
+    /// a full render where later ports overwrite earlier ones), by set (its index in
+    /// `element_sets`) and key.
+    elements: HashMap<(u16, ElemKey), Owners>,
+    /// The names of the sets those elements are in (a dozen: each element names its set by
+    /// index, not by a copy of the name, which at 10^5 elements took 3 MiB).
+    element_sets: Vec<String>,
     /// How many programmed ports have each endpoint address in `hairpin-endpoints`.
     hairpins: HashMap<IpAddr, u32>,
     /// Flushed chains waiting to be deleted, with the time they were flushed.
@@ -193,6 +197,7 @@ impl Applied {
             services: Ports::default(),
             blocks: Blocks::default(),
             elements: HashMap::new(),
+            element_sets: Vec::new(),
             hairpins: HashMap::new(),
             stale_chains: BTreeMap::new(),
             stale_sets: BTreeMap::new(),
@@ -202,6 +207,33 @@ impl Applied {
     fn objects(&self, port: &Port) -> ServiceObjects {
         ServiceObjects::from_ops(self.renderer.service(&port.state, port.blocks).ops)
     }
+
+    /// The index of the element set `name`, if any element was ever put in it.
+    fn element_set(&self, name: &str) -> Option<u16> {
+        let i = self.element_sets.iter().position(|s| s == name)?;
+        u16::try_from(i).ok()
+    }
+
+    /// The index of the element set `name`, added when new.
+    fn element_set_or_add(&mut self, name: &str) -> u16 {
+        if let Some(i) = self.element_set(name) {
+            return i;
+        }
+        self.element_sets.push(name.to_string());
+        // Sets are a fixed dozen (render.rs); 65,536 would mean a bug elsewhere.
+        u16::try_from(self.element_sets.len() - 1).unwrap_or(u16::MAX)
+    }
+
+    /// The element in effect for `set` and `key`.
+    fn effective(&self, set: &str, key: &ElemKey) -> Option<Element> {
+        let owners = self.elements.get(&(self.element_set(set)?, key.clone()))?;
+        let (value, comment) = owners.effective()?;
+        Some(Element {
+            key: key.clone(),
+            value: value.clone(),
+            comment: comment.clone(),
+        })
+    }
 }
 
 /// The service ports that put one element into a set, sorted by name, with the element each
@@ -209,20 +241,22 @@ impl Applied {
 /// owner is the (shared) state of its port rather than a copy of its name, which matters at
 /// 10^5 elements.
 #[derive(Default)]
-struct Owners(Vec<(Arc<ServicePortState>, Element)>);
+struct Owners(Vec<(Arc<ServicePortState>, Option<ElemValue>, Option<String>)>);
 
 impl Owners {
     fn find(&self, owner: &ServicePortName) -> Result<usize, usize> {
-        self.0.binary_search_by(|(o, _)| o.port.name.cmp(owner))
+        self.0.binary_search_by(|(o, _, _)| o.port.name.cmp(owner))
     }
 
+    /// Records `element` (its value and comment: the key is the map's) as `owner`'s.
     fn insert(&mut self, owner: &Arc<ServicePortState>, element: Element) {
+        let entry = (owner.clone(), element.value, element.comment);
         match self.find(&owner.port.name) {
-            Ok(i) => self.0[i] = (owner.clone(), element),
+            Ok(i) => self.0[i] = entry,
             Err(i) => {
                 // Exactly one slot for the usual single owner (`push` would reserve four).
                 self.0.reserve_exact(1);
-                self.0.insert(i, (owner.clone(), element));
+                self.0.insert(i, entry);
             }
         }
     }
@@ -235,8 +269,8 @@ impl Owners {
 
     /// The element in effect: the last owner's by name (as in a full render, where later
     /// ports overwrite earlier ones).
-    fn effective(&self) -> Option<&Element> {
-        self.0.last().map(|(_, e)| e)
+    fn effective(&self) -> Option<(&Option<ElemValue>, &Option<String>)> {
+        self.0.last().map(|(_, v, c)| (v, c))
     }
 }
 
@@ -752,8 +786,11 @@ fn plan_service(
     plan_ranges(plan, &old.ranges, &new.ranges);
     plan_hairpins(plan, applied, &old.hairpins, &new.hairpins);
     for (set, element) in old.elements {
-        let k = (set, element.key);
-        remember_effective(plan, applied, &k);
+        remember_effective(plan, applied, &set, &element.key);
+        let Some(id) = applied.element_set(&set) else {
+            continue;
+        };
+        let k = (id, element.key);
         if let Some(owners) = applied.elements.get_mut(&k) {
             owners.remove(&owner.port.name);
             if owners.0.is_empty() {
@@ -762,8 +799,8 @@ fn plan_service(
         }
     }
     for (set, element) in new.elements {
-        let k = (set, element.key.clone());
-        remember_effective(plan, applied, &k);
+        remember_effective(plan, applied, &set, &element.key);
+        let k = (applied.element_set_or_add(&set), element.key.clone());
         applied.elements.entry(k).or_default().insert(owner, element);
     }
 }
@@ -851,13 +888,11 @@ fn plan_hairpins(plan: &mut Plan, applied: &mut Applied, old: &[IpAddr], new: &[
     }
 }
 
-fn effective(applied: &Applied, k: &(String, ElemKey)) -> Option<Element> {
-    applied.elements.get(k).and_then(|owners| owners.effective().cloned())
-}
-
-fn remember_effective(plan: &mut Plan, applied: &Applied, k: &(String, ElemKey)) {
-    if !plan.touched.contains_key(k) {
-        plan.touched.insert(k.clone(), effective(applied, k));
+fn remember_effective(plan: &mut Plan, applied: &Applied, set: &str, key: &ElemKey) {
+    let k = (set.to_string(), key.clone());
+    if !plan.touched.contains_key(&k) {
+        let before = applied.effective(set, key);
+        plan.touched.insert(k, before);
     }
 }
 
@@ -872,7 +907,7 @@ fn finish_plan(tx: &mut Transaction, plan: Plan, applied: &mut Applied, now: Ins
     tx.ops.extend(plan.range_deletes);
     let mut adds = Vec::new();
     for (k, before) in plan.touched {
-        let after = effective(applied, &k);
+        let after = applied.effective(&k.0, &k.1);
         if before == after {
             continue;
         }
