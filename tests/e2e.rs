@@ -702,8 +702,9 @@ fn restart_manifests(b: &Testbed) -> String {
 fn nftables_restart_under_load_loses_no_connection() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let mut c = Cluster::start_in("nftables", "nftrestart", 3, restart_manifests);
-    // Long enough to span both restarts (about 12 s each to the first sync, in a debug build).
-    const STREAM_S: f64 = 45.0;
+    // Long enough to span both restarts (20–26 s each to the first sync, in a debug build on
+    // the 2-core machine; a 45 s stream ended before the second one did, once).
+    const STREAM_S: f64 = 75.0;
     let stream_args = ProbeArgs::tcp(cip(80))
         .with_stream_seconds(STREAM_S)
         .with_interval_ms(20);

@@ -184,9 +184,10 @@ enum Applied {
 pub struct StateBuilder {
     /// The objects as the changes applied so far left them.
     store: Store,
-    /// The slices of each Service (sorted), by the Service they name. A `Vec`: most Services
-    /// have one slice, and a set would allocate a whole tree node for it.
-    slices_of: HashMap<ObjectName, Vec<ObjectName>>,
+    /// The slices of each Service (sorted by name), by the Service they name: the store's
+    /// entries themselves, not copies of their names. A `Vec`: most Services have one slice,
+    /// and a set would allocate a whole tree node for it.
+    slices_of: HashMap<ObjectName, Vec<Arc<SliceEntry>>>,
     /// IPv4, then IPv6.
     families: [FamilyCache; 2],
 }
@@ -262,6 +263,10 @@ impl StateBuilder {
         }
         for change in expanded {
             match change {
+                // A version equal to the one held changes nothing, and the one held stays
+                // (a relist hands every object on again).
+                Change::Service(name, entry) if same(self.store.services.get(&name), entry.as_ref()) => {}
+                Change::Slice(name, entry) if same(self.store.slices.get(&name), entry.as_ref()) => {}
                 Change::Service(name, entry) => {
                     let new = entry.clone();
                     let Applied::Service(old) = self.store.apply(Change::Service(name.clone(), entry)) else {
@@ -282,7 +287,7 @@ impl StateBuilder {
                     }
                     summary.slices += 1;
                     summary.triggers.extend(new.as_ref().and_then(|s| s.trigger_time));
-                    self.move_slice(&name, old.as_deref(), new.as_deref(), &mut dirty);
+                    self.move_slice(&name, old.as_deref(), new.as_ref(), &mut dirty);
                     dirty_slices.insert(name);
                 }
                 other => {
@@ -304,13 +309,13 @@ impl StateBuilder {
         &mut self,
         key: &ObjectName,
         old: Option<&SliceEntry>,
-        new: Option<&SliceEntry>,
+        new: Option<&Arc<SliceEntry>>,
         dirty: &mut BTreeSet<ObjectName>,
     ) {
         if let Some(svc) = old.and_then(|s| s.service.as_ref()) {
             dirty.insert(svc.clone());
             if let Some(list) = self.slices_of.get_mut(svc) {
-                if let Ok(i) = list.binary_search(key) {
+                if let Ok(i) = list.binary_search_by(|s| s.key.cmp(key)) {
                     list.remove(i);
                 }
                 if list.is_empty() {
@@ -318,12 +323,17 @@ impl StateBuilder {
                 }
             }
         }
-        if let Some(svc) = new.and_then(|s| s.service.as_ref()) {
+        if let Some(entry) = new
+            && let Some(svc) = entry.service.as_ref()
+        {
             dirty.insert(svc.clone());
             let list = self.slices_of.entry(svc.clone()).or_default();
-            if let Err(i) = list.binary_search(key) {
-                list.reserve_exact(1);
-                list.insert(i, key.clone());
+            match list.binary_search_by(|s| s.key.cmp(key)) {
+                Ok(i) => list[i] = entry.clone(),
+                Err(i) => {
+                    list.reserve_exact(1);
+                    list.insert(i, entry.clone());
+                }
             }
         }
     }
@@ -363,9 +373,7 @@ impl StateBuilder {
                 sort_and_dedup(&mut ports, &mut warnings);
                 let mut merge = EndpointMerge::default();
                 for slice in self.slices_of.get(&svc).into_iter().flatten() {
-                    if let Some(slice) = store.slices.get(slice) {
-                        merge.add(slice, family);
-                    }
+                    merge.add(slice, family);
                 }
                 let mut endpoints = merge.finish();
                 for port in ports {
@@ -627,6 +635,34 @@ mod tests {
     }
 
     const WEB: &str = "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: d}\nspec: {clusterIP: 10.96.0.1, ports: [{port: 80}]}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: web-1\n  namespace: d\n  labels: {kubernetes.io/service-name: web}\n  annotations: {endpoints.kubernetes.io/last-change-trigger-time: \"2026-01-01T00:00:00Z\"}\naddressType: IPv4\nports: [{name: \"\", port: 8080}]\nendpoints:\n- {addresses: [10.1.0.1], nodeName: node-a}\n- {addresses: [10.1.0.2], nodeName: node-b}\n";
+
+    #[test]
+    fn an_entry_is_held_once_and_an_equal_version_changes_nothing() {
+        let o = objects(WEB);
+        let key = ("d".to_string(), "web-1".to_string());
+        let slice = slice_entry(&o.endpoint_slices[0], "node-a");
+        let mut b = StateBuilder::new();
+        let node = NodeInfo::default();
+        b.build(&node, IpFamily::V4);
+        let svc = Change::Service(("d".into(), "web".into()), Some(service_entry(&o.services[0])));
+        let first = b.apply(vec![svc, Change::Slice(key.clone(), Some(slice.clone()))]);
+        assert_eq!((first.services, first.slices), (1, 1));
+        // The store's and the index of slices by Service: the same entry, not a copy.
+        assert_eq!(Arc::strong_count(&slice), 3);
+        let again = slice_entry(&o.endpoint_slices[0], "node-a");
+        assert!(!b.apply(vec![Change::Slice(key.clone(), Some(again.clone()))]).any());
+        assert_eq!(Arc::strong_count(&again), 1, "the equal version is not kept");
+        assert!(Arc::ptr_eq(&b.store().slices[&key], &slice));
+        // A new version replaces it in both.
+        let mut changed = (*slice).clone();
+        changed.endpoints.pop();
+        let changed = Arc::new(changed);
+        assert_eq!(b.apply(vec![Change::Slice(key, Some(changed.clone()))]).slices, 1);
+        assert_eq!(Arc::strong_count(&slice), 1);
+        assert_eq!(Arc::strong_count(&changed), 3);
+        let state = b.build(&node, IpFamily::V4);
+        assert_eq!(state.service_ports[0].endpoints.len(), 1);
+    }
 
     #[test]
     fn state_merges_entries_and_decides_locality_on_arrival() {

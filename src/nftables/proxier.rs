@@ -889,10 +889,8 @@ fn plan_hairpins(plan: &mut Plan, applied: &mut Applied, old: &[IpAddr], new: &[
 }
 
 fn remember_effective(plan: &mut Plan, applied: &Applied, set: &str, key: &ElemKey) {
-    let k = (set.to_string(), key.clone());
-    if !plan.touched.contains_key(&k) {
-        let before = applied.effective(set, key);
-        plan.touched.insert(k, before);
+    if let std::collections::btree_map::Entry::Vacant(v) = plan.touched.entry((set.to_string(), key.clone())) {
+        v.insert(applied.effective(set, key));
     }
 }
 
