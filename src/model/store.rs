@@ -108,8 +108,14 @@ impl Store {
     /// Applies one change; the entry it replaced, for the caller to compare.
     fn apply(&mut self, change: Change) -> Applied {
         match change {
-            Change::Service(name, Some(entry)) => Applied::Service(self.services.insert(name, entry)),
-            Change::Service(name, None) => Applied::Service(self.services.remove(&name)),
+            Change::Service(name, Some(entry)) => {
+                self.services.insert(name, entry);
+                Applied::Service
+            }
+            Change::Service(name, None) => {
+                self.services.remove(&name);
+                Applied::Service
+            }
             Change::Slice(name, Some(entry)) => Applied::Slice(self.slices.insert(name, entry)),
             Change::Slice(name, None) => Applied::Slice(self.slices.remove(&name)),
             Change::Nodes(nodes) => Applied::Other(std::mem::replace(&mut self.nodes, nodes) != self.nodes),
@@ -171,7 +177,8 @@ pub enum Change {
 
 /// What [`Store::apply`] replaced.
 enum Applied {
-    Service(Option<Arc<ServiceEntry>>),
+    /// A Service (its old version is not needed: the builder compared before).
+    Service,
     Slice(Option<Arc<SliceEntry>>),
     /// Whether the Nodes or ServiceCIDRs differ.
     Other(bool),
@@ -267,24 +274,17 @@ impl StateBuilder {
                 // (a relist hands every object on again).
                 Change::Service(name, entry) if same(self.store.services.get(&name), entry.as_ref()) => {}
                 Change::Slice(name, entry) if same(self.store.slices.get(&name), entry.as_ref()) => {}
+                // Not equal to the one held (above): a change.
                 Change::Service(name, entry) => {
-                    let new = entry.clone();
-                    let Applied::Service(old) = self.store.apply(Change::Service(name.clone(), entry)) else {
-                        continue;
-                    };
-                    if !same(old.as_ref(), new.as_ref()) {
-                        summary.services += 1;
-                        dirty.insert(name);
-                    }
+                    self.store.apply(Change::Service(name.clone(), entry));
+                    summary.services += 1;
+                    dirty.insert(name);
                 }
                 Change::Slice(name, entry) => {
                     let new = entry.clone();
                     let Applied::Slice(old) = self.store.apply(Change::Slice(name.clone(), entry)) else {
                         continue;
                     };
-                    if same(old.as_ref(), new.as_ref()) {
-                        continue;
-                    }
                     summary.slices += 1;
                     summary.triggers.extend(new.as_ref().and_then(|s| s.trigger_time));
                     self.move_slice(&name, old.as_deref(), new.as_ref(), &mut dirty);
