@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Regenerates README's benchmark tables and draws docs/iptables-figures.svg from the JSON the
-benchmarks write (`BENCH_JSON=PATH cargo bench --bench sync`, `... --bench latency`;
-`benches/run` does both).
+benchmarks write (`BENCH_JSON=PATH cargo bench --bench sync`, `... --bench latency`,
+`... --bench restart`, `... --bench ipvs_sync`; `benches/run` does them all).
 
 Usage: benches/report.py [--readme README.md] [--svg docs/iptables-figures.svg] JSON...
 
@@ -80,7 +80,80 @@ def latency_block(f):
     return "\n".join(lines)
 
 
-BLOCKS = {"sync": sync_block, "latency": latency_block}
+def restart_block(f):
+    """README's table for the `restart` benchmark (restarts under traffic)."""
+    lines = [
+        "**Restarts under traffic**, `sudo BENCHES=restart benches/run` (`cargo bench --bench"
+        " restart`): the release daemon synced with the cluster below plus three Services on two"
+        " real pods (first, in the middle and last of the sync order), stopped and started"
+        f" again {f['restarts']} times (SIGKILL, then SIGTERM, alternately) while the client pod"
+        f" opens a connection to each of the three every {f['probe_interval_us']} µs and keeps"
+        " one connection open, a line echoed every 20 ms. Per restart: the time from the stop to"
+        " the new daemon's first sync of every Service; the connects to the three Services from"
+        f" the stop until {f['after_sync_ms']} ms after that sync, how many failed, and the"
+        " longest time between two answered connects to any of them. Load average"
+        f" {f['load_average_start']:g} at the start, {f['load_average_end']:g} at the end:",
+        "",
+        "| mode | Services × endpoints | source | restart | stop → first sync | connects | failed | longest gap | open connection |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in f["cases"]:
+        st = c["stream"]
+        stream = f"{thousands(st['echoed'])} of {thousands(st['sent'])} lines echoed"
+        if st["error"]:
+            stream += f" ({st['error']})"
+        for i, r in enumerate(c["restarts"], 1):
+            connects = sum(s["connects"] for s in r["services"])
+            failed = sum(s["failed"] for s in r["services"])
+            gap = max(s["max_gap_ms"] for s in r["services"])
+            lines.append(
+                f"| {c['mode']} | {thousands(c['services'])} × {c['endpoints']} | {c['source']}"
+                f" | {i} ({r['signal']}) | {r['to_first_sync_s']:.1f} s | {thousands(connects)}"
+                f" | **{failed}** | {gap:.1f} ms | {stream if i == 1 else '″'} |"
+            )
+    failed = sum(s["failed"] for c in f["cases"] for r in c["restarts"] for s in r["services"])
+    lines += ["", f"Connects that failed during a restart: {failed}."]
+    return "\n".join(lines)
+
+
+def ipvs_block(f):
+    """README's table for the `ipvs_sync` benchmark (IPVS mode in the test VM)."""
+    ratio = lambda v: f"{v / f['floor_ms']:.2f}×"
+    calls = f["change_calls"]
+    lines = [
+        f"**IPVS mode at scale**, {thousands(f['services'])} Services × {f['endpoints']} endpoints"
+        f" ({thousands(f['virtual_servers'])} virtual servers, {thousands(f['ipset_entries'])} ipset"
+        " entries), `sudo BENCHES=ipvs_sync benches/run` (`cargo bench --bench ipvs_sync`), in the"
+        f" test VM (kernel {f['kernel']} under qemu's TCG: no nested KVM, so every time is many"
+        " times what the host would take; the ratios compare like with like). Load average"
+        f" {f['load_average_start']:g} at the start, {f['load_average_end']:g} at the end:",
+        "",
+        "| step | time |",
+        "|---|---|",
+        f"| cold sync by the proxier, fresh namespace (median of {f['reps']})"
+        f" | {thousands(f['cold_sync_ms'])} ms ({ratio(f['cold_sync_ms'])} the floor) |",
+        f"| of which IPVS netlink calls | {thousands(f['cold_sync_netlink_ms'])} ms"
+        f" ({ratio(f['cold_sync_netlink_ms'])} the floor) |",
+        f"| of which `ip`, `ipset restore` and sysctls | {thousands(f['cold_sync_tools_ms'])} ms |",
+        f"| rendering alone | {thousands(f['render_ms'])} ms |",
+        f"| `ipvsadm --restore` of the same virtual and real servers ({thousands(f['saved_lines'])}"
+        f" lines of `ipvsadm -Sn`), fresh namespace (the floor; median of {f['reps']})"
+        f" | {thousands(f['floor_ms'])} ms |",
+        f"| one endpoint of a Service replaced, p50 / p99 of {f['changes']}"
+        f" | {thousands(f['change_p50_ms'], 1)} ms / {thousands(f['change_p99_ms'], 1)} ms |",
+        "",
+        f"IPVS calls of the {f['changes']} changes, all asserted per change (the Service's virtual"
+        " servers only): " + ", ".join(f"`{k}` {v}" for k, v in calls.items()) + "; nothing else.",
+    ]
+    return "\n".join(lines)
+
+
+BLOCKS = {
+    "sync": sync_block,
+    "latency": latency_block,
+    "restart": restart_block,
+    "ipvs_sync": ipvs_block,
+}
 
 
 def replace_block(text, name, body):

@@ -182,6 +182,7 @@ pub fn install_runner(cache: &Path) -> Result<PathBuf, VmError> {
 pub struct Vm {
     cache: PathBuf,
     timeout: Duration,
+    memory_mb: Option<u32>,
     envs: Vec<String>,
     cancel: Option<Arc<AtomicBool>>,
 }
@@ -192,6 +193,7 @@ impl Vm {
         Vm {
             cache: cache.into(),
             timeout: Duration::from_secs(600),
+            memory_mb: None,
             envs: Vec::new(),
             cancel: None,
         }
@@ -200,6 +202,12 @@ impl Vm {
     /// How long booting plus the command may take (whole seconds, at least 1).
     pub fn timeout(mut self, timeout: Duration) -> Vm {
         self.timeout = timeout;
+        self
+    }
+
+    /// The guest's memory (the runner's default otherwise: 1024 MB).
+    pub fn memory_mb(mut self, mb: u32) -> Vm {
+        self.memory_mb = Some(mb);
         self
     }
 
@@ -241,6 +249,9 @@ impl Vm {
         let secs = self.timeout.as_secs().max(1);
         let mut cmd = Command::new(&runner);
         cmd.arg("--timeout").arg(secs.to_string());
+        if let Some(mb) = self.memory_mb {
+            cmd.arg("--mem").arg(mb.to_string());
+        }
         for e in &self.envs {
             cmd.arg("--env").arg(e);
         }

@@ -65,6 +65,37 @@ pub trait IpvsHost {
     fn write_sysctl(&mut self, path: &str, value: &str) -> Result<(), HostError>;
 }
 
+/// The protocols of ipset entries (`ADDR,PROTO:PORT…`), by name as `ipset save` prints them
+/// and by number.
+const ENTRY_PROTOCOLS: [(&str, &str); 3] = [("tcp:", "6:"), ("udp:", "17:"), ("sctp:", "132:")];
+
+/// An entry as `ipset restore` is given it: its protocol by number (`10.96.0.1,6:80`). ipset
+/// looks a protocol name up in /etc/protocols for every line it reads (open, read, seek and
+/// close of the file per entry: at 31,000 entries most of a cold sync in the test VM); a
+/// number it takes as it is. It prints the name again, so entries compare as they are kept.
+pub fn entry_for_restore(entry: &str) -> std::borrow::Cow<'_, str> {
+    if let Some((addr, rest)) = entry.split_once(',') {
+        for (name, number) in ENTRY_PROTOCOLS {
+            if let Some(port) = rest.strip_prefix(name) {
+                return format!("{addr},{number}{port}").into();
+            }
+        }
+    }
+    entry.into()
+}
+
+/// The entry as ipset prints it: the protocol by name (the inverse of [`entry_for_restore`]).
+pub fn entry_as_saved(entry: &str) -> std::borrow::Cow<'_, str> {
+    if let Some((addr, rest)) = entry.split_once(',') {
+        for (name, number) in ENTRY_PROTOCOLS {
+            if let Some(port) = rest.strip_prefix(number) {
+                return format!("{addr},{name}{port}").into();
+            }
+        }
+    }
+    entry.into()
+}
+
 /// The real tools, run directly (never through a shell).
 #[derive(Clone, Debug, Default)]
 pub struct HostExec;
@@ -331,12 +362,16 @@ impl IpvsHost for FakeHost {
                 (Some("create"), Some(name), _) => {
                     self.sets.entry(name.to_string()).or_default();
                 }
+                // Kept as ipset keeps them: the protocol by name.
                 (Some("add"), Some(name), Some(e)) => {
-                    self.sets.entry(name.to_string()).or_default().insert(e.to_string());
+                    self.sets
+                        .entry(name.to_string())
+                        .or_default()
+                        .insert(entry_as_saved(e).into_owned());
                 }
                 (Some("del"), Some(name), Some(e)) => {
                     if let Some(s) = self.sets.get_mut(name) {
-                        s.remove(e);
+                        s.remove(entry_as_saved(e).as_ref());
                     }
                 }
                 _ => {}
@@ -367,6 +402,24 @@ impl IpvsHost for FakeHost {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn entries_go_to_ipset_with_protocol_numbers_and_read_back_with_names() {
+        for (saved, given) in [
+            ("10.96.0.1,tcp:80", "10.96.0.1,6:80"),
+            ("10.96.0.1,udp:53", "10.96.0.1,17:53"),
+            ("10.96.0.1,sctp:9", "10.96.0.1,132:9"),
+            ("10.244.0.5,tcp:8080,10.244.0.5", "10.244.0.5,6:8080,10.244.0.5"),
+            ("2001:db8::1,tcp:80,2001:db8:2::/64", "2001:db8::1,6:80,2001:db8:2::/64"),
+            // No protocol: a bitmap:port entry, a net.
+            ("30080", "30080"),
+            ("10.0.0.0/8", "10.0.0.0/8"),
+        ] {
+            assert_eq!(entry_for_restore(saved), given);
+            assert_eq!(entry_as_saved(given), saved);
+            assert_eq!(entry_as_saved(saved), saved, "a name stays a name");
+        }
+    }
 
     #[test]
     fn ip_addr_output_is_parsed_per_link() {

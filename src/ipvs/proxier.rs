@@ -62,7 +62,7 @@ use std::time::{Duration, Instant};
 use nix::errno::Errno;
 
 use super::cleanup::{NODE_PORT_RANGE, node_port_looking};
-use super::host::{HostError, IpvsHost};
+use super::host::{HostError, IpvsHost, entry_for_restore};
 use super::kernel::{conn_reuse_mode_fix_needed, kernel_release};
 use super::names::DUMMY_DEVICE;
 use super::netlink::{Ipvs, IpvsError, RealServer, ServiceFlags, ServiceKey, Timeouts, VirtualServer};
@@ -206,7 +206,8 @@ fn canonical_entry(e: &str) -> &str {
 
 /// The `ipset restore -exist` input that brings the sets to `rs`'s entries, given what the
 /// kernel holds (`current`): each set that is missing or changes created (a no-op when it
-/// exists), missing entries added, extra ones deleted. Empty when nothing changes.
+/// exists), missing entries added, extra ones deleted, their protocols by number
+/// ([`entry_for_restore`]). Empty when nothing changes.
 pub fn ipset_changes(rs: &IpvsRuleset, current: &BTreeMap<String, BTreeSet<String>>) -> String {
     let mut out = String::new();
     for set in &rs.ipsets {
@@ -216,12 +217,12 @@ pub fn ipset_changes(rs: &IpvsRuleset, current: &BTreeMap<String, BTreeSet<Strin
         let mut lines = String::new();
         for e in &set.entries {
             if !have_canon.contains(canonical_entry(e)) {
-                lines.push_str(&format!("add {} {e}\n", set.name));
+                lines.push_str(&format!("add {} {}\n", set.name, entry_for_restore(e)));
             }
         }
         for e in have.into_iter().flatten() {
             if !want_canon.contains(canonical_entry(e)) {
-                lines.push_str(&format!("del {} {e}\n", set.name));
+                lines.push_str(&format!("del {} {}\n", set.name, entry_for_restore(e)));
             }
         }
         if have.is_none() || !lines.is_empty() {
@@ -1103,8 +1104,8 @@ mod tests {
         ]))
         .expect("sync");
         let last = p.host.restores.last().expect("a restore");
-        assert!(last.contains("add KUBE-CLUSTER-IP 10.96.0.12,tcp:80\n"), "{last}");
-        assert!(last.contains("del KUBE-CLUSTER-IP 10.96.0.11,tcp:80\n"), "{last}");
+        assert!(last.contains("add KUBE-CLUSTER-IP 10.96.0.12,6:80\n"), "{last}");
+        assert!(last.contains("del KUBE-CLUSTER-IP 10.96.0.11,6:80\n"), "{last}");
         assert!(
             !last.contains("10.96.0.10,tcp:80"),
             "unchanged entries untouched: {last}"
