@@ -52,6 +52,7 @@ pub mod model;
 pub mod netlink;
 pub mod nftables;
 pub mod proxy;
+pub mod rtnetlink;
 pub mod source;
 pub mod trace;
 pub mod vm;

@@ -217,8 +217,61 @@ fn partial_syncs_edit_kube_services_in_place_as_a_full_render_would_write_it() {
     }
 }
 
+/// IPVS mode's node addresses, read over rtnetlink, are what `ip -o addr show` lists, link by
+/// link: both families, a link's own addresses only, thousands of them (a dump of many
+/// datagrams), and no link at all for one that does not exist.
+fn node_addresses_over_rtnetlink_are_what_ip_lists() {
+    use kube_proxy::ipvs::host::{HostExec, IpvsHost, parse_ip_addr};
+    use std::net::IpAddr;
+    let ns = fresh_netns("kp-rtnl");
+    // The host's kernel may have no dummy links: a veth pair stands in for kube-ipvs0 and eth0.
+    ns.ip(["link", "add", "kube-ipvs0", "type", "veth", "peer", "name", "eth0"])
+        .expect("a veth pair");
+    let mut batch = String::from("addr add 192.168.0.2/24 dev eth0\naddr add 2001:db8::2/64 dev eth0 nodad\n");
+    for i in 0..3000u32 {
+        batch.push_str(&format!(
+            "addr add 10.96.{}.{}/32 dev kube-ipvs0\n",
+            i / 250,
+            1 + i % 250
+        ));
+    }
+    batch.push_str("addr add fd00::10/128 dev kube-ipvs0 nodad\n");
+    let (ok, out) = run(&ns, "ip", &["-batch", "-"], &batch);
+    assert!(ok, "ip -batch: {out}");
+    for link in ["lo", "eth0"] {
+        ns.link_up(link).expect("link up");
+    }
+    let listed = parse_ip_addr(&ns.exec_ok("ip", ["-o", "addr", "show"]).expect("ip -o addr show"));
+    let of = |want: &dyn Fn(&str) -> bool| -> Vec<IpAddr> {
+        let mut v: Vec<IpAddr> = listed.iter().filter(|(l, _)| want(l)).map(|(_, a)| *a).collect();
+        v.sort();
+        v
+    };
+    let sorted = |mut v: Vec<IpAddr>| {
+        v.sort();
+        v
+    };
+    let (on_dummy, others, missing) = common::netns::in_netns(ns.name(), || {
+        let mut host = HostExec;
+        (
+            host.addresses("kube-ipvs0").expect("addresses"),
+            host.other_addresses("kube-ipvs0").expect("other addresses"),
+            host.addresses("no-such-link").expect("addresses of no link"),
+        )
+    });
+    assert_eq!(on_dummy.len(), 3001, "every address of kube-ipvs0");
+    assert_eq!(sorted(on_dummy), of(&|l| l == "kube-ipvs0"));
+    let others = sorted(others);
+    assert_eq!(others, of(&|l| l != "kube-ipvs0"));
+    for a in ["127.0.0.1", "192.168.0.2", "2001:db8::2"] {
+        assert!(others.contains(&a.parse().expect("ip")), "{a} in {others:?}");
+    }
+    assert!(missing.is_empty(), "{missing:?}");
+}
+
 common::harness::main! {
     &[Root, Tool("ip"), Tool("iptables-restore"), Tool("ip6tables-restore")]
         => kernel_accepts_every_scenario, kernel_accepts_every_config_variant,
            partial_syncs_edit_kube_services_in_place_as_a_full_render_would_write_it;
+    &[Root, Tool("ip")] => node_addresses_over_rtnetlink_are_what_ip_lists;
 }

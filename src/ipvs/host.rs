@@ -96,6 +96,20 @@ pub fn entry_as_saved(entry: &str) -> std::borrow::Cow<'_, str> {
     entry.into()
 }
 
+/// The index of the link `name`; `None` when there is no such link.
+fn link_index(name: &str) -> Option<u32> {
+    nix::net::if_::if_nametoindex(name).ok()
+}
+
+/// Every address of the namespace, over rtnetlink (what `ip -o addr show` lists, without a
+/// process: IPVS mode reads them every sync, `kube-ipvs0`'s thousands of ClusterIPs included).
+fn interface_addresses() -> Result<Vec<crate::rtnetlink::InterfaceAddress>, HostError> {
+    crate::rtnetlink::addresses().map_err(|source| HostError::Spawn {
+        program: "an RTM_GETADDR dump over rtnetlink".into(),
+        source,
+    })
+}
+
 /// The real tools, run directly (never through a shell).
 #[derive(Clone, Debug, Default)]
 pub struct HostExec;
@@ -193,19 +207,22 @@ impl IpvsHost for HostExec {
     }
 
     fn addresses(&mut self, name: &str) -> Result<Vec<IpAddr>, HostError> {
-        if !self.link_exists(name)? {
+        let Some(index) = link_index(name) else {
             return Ok(Vec::new());
-        }
-        let out = run("ip", &["-o", "addr", "show", "dev", name], None)?;
-        Ok(parse_ip_addr(&out).into_iter().map(|(_, ip)| ip).collect())
+        };
+        Ok(interface_addresses()?
+            .into_iter()
+            .filter(|a| a.index == index)
+            .map(|a| a.address)
+            .collect())
     }
 
     fn other_addresses(&mut self, except: &str) -> Result<Vec<IpAddr>, HostError> {
-        let out = run("ip", &["-o", "addr", "show"], None)?;
-        Ok(parse_ip_addr(&out)
+        let except = link_index(except);
+        Ok(interface_addresses()?
             .into_iter()
-            .filter(|(link, _)| link != except)
-            .map(|(_, ip)| ip)
+            .filter(|a| Some(a.index) != except)
+            .map(|a| a.address)
             .collect())
     }
 
