@@ -30,7 +30,7 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{env_usize, in_netns, loadavg, loadavg_1m, progress, thousands, unique_node_ports};
+use common::{env_usize, in_netns, loadavg, loadavg_1m, percentile_of, progress, thousands, unique_node_ports};
 use kube_proxy::iptables::backend::Backend;
 use kube_proxy::iptables::exec::Exec;
 use kube_proxy::ipvs::host::{HostError, HostExec, IpvsHost};
@@ -300,18 +300,10 @@ fn with_replaced_endpoint(state: &mut ProxyState, i: usize, n: u32) {
     sps.endpoints.sort_by_key(|e| e.to_string());
 }
 
-fn percentile(v: &[f64], p: f64) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() {
-        return 0.0;
-    }
-    v[(((v.len() - 1) as f64) * p).round() as usize]
-}
-
+/// The median in ms.
 fn median(v: &[Duration]) -> f64 {
-    let ms: Vec<f64> = v.iter().map(|d| d.as_secs_f64() * 1e3).collect();
-    percentile(&ms, 0.5)
+    let mut ms: Vec<f64> = v.iter().map(|d| d.as_secs_f64() * 1e3).collect();
+    percentile_of(&mut ms, 0.5)
 }
 
 fn in_the_vm(k: &Knobs) -> Value {
@@ -418,7 +410,7 @@ fn in_the_vm(k: &Knobs) -> Value {
     });
     drop(p);
     drop(ns);
-    let (p50, p99) = (percentile(&change_ms, 0.5), percentile(&change_ms, 0.99));
+    let (p50, p99) = (percentile_of(&mut change_ms, 0.5), percentile_of(&mut change_ms, 0.99));
     progress(format!(
         "{} endpoint changes: p50 {p50:.1} ms, p99 {p99:.1} ms; IPVS calls in all: {calls_per_change:?}",
         k.changes

@@ -53,7 +53,7 @@ use cluster::{
     Case, Feed, Probe, Prober, SERVICE_PORT, Source, daemon_args, endpoint_object, lock, node_object, rss_kib,
     service_object, slice_object, synthetic_ports, tail, wait_first_sync, write_docs,
 };
-use common::{env_usize, field, loadavg, loadavg_1m, progress, thousands};
+use common::{env_usize, field, loadavg, loadavg_1m, percentile_of, progress, thousands};
 use kube_proxy::lab::testbed::{SERVER_PORT, Testbed, TestbedSpec};
 use serde_json::{Value, json};
 
@@ -392,15 +392,6 @@ impl Outcome {
             "load_average": (self.load * 100.0).round() / 100.0,
         })
     }
-}
-
-/// Nearest-rank percentile (`p` in 0..=1) of `v`, sorted in place.
-fn percentile_of(v: &mut [f64], p: f64) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    v.sort_by(f64::total_cmp);
-    v[(((v.len() - 1) as f64) * p).round() as usize]
 }
 
 fn print_table(outcomes: &[Outcome], k: &Knobs) {

@@ -223,8 +223,7 @@ fn window(service: &str, records: &[Probe], from: Instant, to: Instant) -> Windo
     }
 }
 
-fn stop(daemon: ChildGuard, signal: Signal) -> Instant {
-    let mut daemon = daemon;
+fn stop(mut daemon: ChildGuard, signal: Signal) -> Instant {
     let at = Instant::now();
     daemon.signal(signal).unwrap_or_else(|e| panic!("{signal}: {e}"));
     let exited = daemon.wait_timeout(EXIT_TIMEOUT).expect("waiting for the daemon");

@@ -130,3 +130,12 @@ pub fn unique_node_ports(state: &mut ProxyState) {
         }
     }
 }
+
+/// Nearest-rank percentile (`p` in 0..=1) of `v`, sorted in place; 0 for none.
+pub fn percentile_of(v: &mut [f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    v[(((v.len() - 1) as f64) * p).round() as usize]
+}

@@ -8,10 +8,10 @@ use std::io;
 use std::net::IpAddr;
 
 use ipnet::IpNet;
-use netlink_sys::{Socket, SocketAddr as NlSocketAddr, protocols::NETLINK_ROUTE};
 use serde::{Deserialize, Serialize};
 
-use crate::netlink::{self, Attrs, MsgBuf, NLM_F_DUMP, NLM_F_REQUEST};
+use crate::netlink::{self, Attrs};
+use crate::rtnetlink::{dump_request, route_socket};
 
 const RTM_NEWLINK: u16 = 16;
 const RTM_GETLINK: u16 = 18;
@@ -152,17 +152,9 @@ fn parse_link(msg: &[u8]) -> Option<(u32, String)> {
 
 /// Every route of every table of this network namespace, both families.
 pub fn dump_routes() -> io::Result<Vec<Route>> {
-    let mut socket = Socket::new(NETLINK_ROUTE)?;
-    socket.bind_auto()?;
-    socket.connect(&NlSocketAddr::new(0, 0))?;
+    let socket = route_socket()?;
     let mut buf = vec![0; 64 * 1024];
-    let request = |ty: u16, seq: u32, header: &[u8]| {
-        let mut b = MsgBuf::with_capacity(32);
-        let m = b.begin_msg(ty, NLM_F_REQUEST | NLM_F_DUMP, seq, header);
-        b.end_msg(m);
-        b.buf
-    };
-    let links = netlink::dump(&socket, &mut buf, &request(RTM_GETLINK, 1, &[0; 16]), 1)?;
+    let links = netlink::dump(&socket, &mut buf, &dump_request(RTM_GETLINK, 1, &[0; 16]), 1)?;
     let names: Vec<(u32, String)> = links
         .messages
         .iter()
@@ -170,7 +162,7 @@ pub fn dump_routes() -> io::Result<Vec<Route>> {
         .filter_map(|(_, m)| parse_link(m))
         .collect();
     // struct rtmsg with family AF_UNSPEC: every family, every table.
-    let routes = netlink::dump(&socket, &mut buf, &request(RTM_GETROUTE, 2, &[0; 12]), 2)?;
+    let routes = netlink::dump(&socket, &mut buf, &dump_request(RTM_GETROUTE, 2, &[0; 12]), 2)?;
     Ok(routes
         .messages
         .iter()
@@ -182,6 +174,7 @@ pub fn dump_routes() -> io::Result<Vec<Route>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::netlink::MsgBuf;
 
     const RTN_UNICAST: u8 = 1;
 

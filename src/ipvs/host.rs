@@ -28,6 +28,13 @@ pub enum HostError {
         status: String,
         stderr: String,
     },
+    /// A netlink request failed (the node's addresses over rtnetlink).
+    #[error("{what}: {source}")]
+    Netlink {
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
     /// A sysctl could not be read or written.
     #[error("sysctl {path}: {source}")]
     Sysctl {
@@ -104,8 +111,8 @@ fn link_index(name: &str) -> Option<u32> {
 /// Every address of the namespace, over rtnetlink (what `ip -o addr show` lists, without a
 /// process: IPVS mode reads them every sync, `kube-ipvs0`'s thousands of ClusterIPs included).
 fn interface_addresses() -> Result<Vec<crate::rtnetlink::InterfaceAddress>, HostError> {
-    crate::rtnetlink::addresses().map_err(|source| HostError::Spawn {
-        program: "an RTM_GETADDR dump over rtnetlink".into(),
+    crate::rtnetlink::addresses().map_err(|source| HostError::Netlink {
+        what: "listing the addresses (RTM_GETADDR dump over rtnetlink)",
         source,
     })
 }
