@@ -64,7 +64,8 @@
 //!   `REPS` (default 5: runs per server and case; the table shows the median of the runs'
 //!   p50s and p99s, as FLOOR.md does, and the sum of their errors);
 //! - `RSS_SERVICES` (default 10000), `RSS_ENDPOINTS` (default 10), `LIVE_CHANGES` (default 10);
-//! - `EXPLAIN_REPS` (default 5), `EXPLAIN_SHOW` (set: print each report);
+//! - `EXPLAIN_REPS` (default 5), `EXPLAIN_SHOW` (set: print each report and what explain
+//!   wrote to stderr);
 //! - `PARTS` (default `latency,rss`; `explain` too): which parts to run.
 //!
 //! Deterministic inputs (the synthetic cluster); the timings are what they are on the machine.
@@ -876,6 +877,7 @@ fn time_explain(ns: &Netns, mode: Mode, what: &'static str, args: &[String], rep
         lines = stdout.lines().count();
         if std::env::var_os("EXPLAIN_SHOW").is_some() {
             println!("{stdout}");
+            print!("{}", String::from_utf8_lossy(&out.stderr));
         }
     }
     times.sort();

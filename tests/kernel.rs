@@ -98,6 +98,68 @@ fn check_accepted(label: &str, rendered: &str) {
             saved.contains("-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES"),
             "{label}: jump rules applied:\n{saved}"
         );
+        netlink_save_is_what_the_tool_saves(&ns, label, ipv6);
+    }
+}
+
+/// Every rule line of `saved`, grouped by chain, in order within each chain.
+fn rules_by_chain(saved: &str) -> std::collections::BTreeMap<String, Vec<String>> {
+    let mut out: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    for line in saved.lines() {
+        let rest = line.split_once("] ").map_or(line, |(_, r)| r);
+        if let Some(chain) = rest.strip_prefix("-A ").and_then(|r| r.split_whitespace().next()) {
+            out.entry(chain.to_string()).or_default().push(line.to_string());
+        }
+    }
+    out
+}
+
+/// `explain --all`'s read of the tables over nf_tables netlink prints every rule as
+/// `iptables-save -c` prints it, chain for chain.
+fn netlink_save_is_what_the_tool_saves(ns: &Netns, label: &str, ipv6: bool) {
+    use kube_proxy::iptables::netlink_save::NetlinkSave;
+    use kube_proxy::model::IpFamily;
+    let (family, save_cmd) = if ipv6 {
+        (IpFamily::V6, "ip6tables-save")
+    } else {
+        (IpFamily::V4, "iptables-save")
+    };
+    // The canary nothing jumps to, and a stale endpoint chain nothing jumps to any more.
+    let iptables = if ipv6 { "ip6tables" } else { "iptables" };
+    for args in [
+        &["-t", "nat", "-N", "KUBE-PROXY-CANARY"][..],
+        &["-t", "nat", "-N", "KUBE-SEP-STALE"],
+        &["-t", "nat", "-A", "KUBE-SEP-STALE", "-j", "RETURN"],
+    ] {
+        let (ok, out) = run(ns, iptables, args, "");
+        assert!(ok || out.contains("exists"), "{label}: {iptables} {args:?}: {out}");
+    }
+    for table in ["filter", "nat"] {
+        let (ok, tool) = run(ns, save_cmd, &["-c", "-t", table], "");
+        assert!(ok, "{label}: {save_cmd}: {tool}");
+        let ours = common::netns::in_netns(ns.name(), || {
+            let mut reader = NetlinkSave::new(family).expect("a netfilter socket");
+            reader.save(table)
+        });
+        let ours = match ours {
+            Ok(Some(text)) => text,
+            other => panic!("{label}: {table} over netlink: {other:?}"),
+        };
+        let (want, got) = (rules_by_chain(&tool), rules_by_chain(&ours));
+        for (chain, lines) in &want {
+            assert_eq!(
+                got.get(chain),
+                Some(lines),
+                "{label}: {table} {chain} over netlink:\n{ours}"
+            );
+        }
+        assert_eq!(got.len(), want.len(), "{label}: {table}: the same chains:\n{ours}");
+        if table == "nat" {
+            assert!(
+                got.contains_key("KUBE-SEP-STALE"),
+                "{label}: the stale chain is read:\n{ours}"
+            );
+        }
     }
 }
 

@@ -7,6 +7,7 @@ pub mod batch;
 pub mod edits;
 pub mod exec;
 pub mod names;
+pub mod netlink_save;
 pub mod nfacct;
 pub mod proxier;
 pub mod readback;

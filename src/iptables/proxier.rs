@@ -694,7 +694,9 @@ impl<I: Iptables> Proxier for IptablesProxier<I> {
         for table in ["filter", "nat"] {
             // The filter table holds no chains of service ports, only their rules in a few
             // fixed chains; saving it would fetch nat's 110,000 chains too at 10,000 × 10.
-            let saved = if table == "filter" && self.ipt.lists_chains_alone() {
+            let saved = if let Some(saved) = self.ipt.save_over_netlink(table) {
+                saved
+            } else if table == "filter" && self.ipt.lists_chains_alone() {
                 super::readback::fixed_chains(&mut self.ipt, table)?
             } else {
                 self.ipt.save_counters(table).map_err(|e| ReadBackError {

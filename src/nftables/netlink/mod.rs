@@ -22,7 +22,7 @@ mod encode;
 mod expr;
 mod objects;
 mod socket;
-mod wire;
+pub(crate) mod wire;
 
 #[cfg(test)]
 mod fixtures;
