@@ -16,6 +16,10 @@
 //!   recorded. Each change must send exactly one real server added and one deleted, list
 //!   only that virtual server's real servers, and nothing else: the benchmark fails otherwise.
 //!
+//! - **explain**: `kube-proxy explain` for the last Service and `--all` on the last namespace,
+//!   the cluster read from manifests (`--manifests`: the VM runs no daemon), `REPS` runs each,
+//!   beside `ipvsadm -Ln` of the same namespace.
+//!
 //! The VM runs under TCG (no nested KVM), so every figure is several times what the same
 //! kernel would take on the host; the ratio to `ipvsadm --restore` compares like with like.
 //!
@@ -23,6 +27,10 @@
 //! (default 3), `CHANGES` (default 50), `VM_MEM_MB` (default 2048), `BENCH_JSON` (write the
 //! figures there, on the host).
 
+#[path = "../tests/support/apiserver/mod.rs"]
+mod apiserver;
+#[path = "common/cluster.rs"]
+mod cluster;
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -45,6 +53,7 @@ use serde_json::{Value, json};
 /// The guest prints its figures on one line after this marker; the host picks them up.
 const FIGURES: &str = "ipvs-sync-figures: ";
 const NODE_LINK: &str = "eth0";
+const BIN: &str = env!("CARGO_BIN_EXE_kube-proxy");
 const NODE_ADDR: &str = "192.168.0.2/24";
 
 // ---------------------------------------------------------------------------------------------
@@ -408,6 +417,7 @@ fn in_the_vm(k: &Knobs) -> Value {
             change_ms.push(took.as_secs_f64() * 1e3);
         }
     });
+    let explain = explain_times(&ns, &state, k.reps);
     drop(p);
     drop(ns);
     let (p50, p99) = (percentile_of(&mut change_ms, 0.5), percentile_of(&mut change_ms, 0.99));
@@ -438,7 +448,77 @@ fn in_the_vm(k: &Knobs) -> Value {
         "change_p99_ms": r(p99),
         "change_calls": calls_per_change,
         "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
+        "explain_one_ms": r(explain.one),
+        "explain_all_ms": r(explain.all),
+        "explain_all_lines": explain.all_lines,
+        "ipvsadm_list_ms": r(explain.ipvsadm_list),
     })
+}
+
+/// `kube-proxy explain` on the programmed namespace, with the cluster read from manifests (the
+/// VM runs no daemon): medians of `reps` runs, and `ipvsadm -Ln` there for comparison.
+struct ExplainTimes {
+    one: f64,
+    all: f64,
+    all_lines: usize,
+    ipvsadm_list: f64,
+}
+
+fn explain_times(ns: &Netns, state: &ProxyState, reps: usize) -> ExplainTimes {
+    let feed = cluster::Feed::manifests(&state.service_ports, cluster::node_object(false), &[]);
+    let last = &state.service_ports.last().expect("a Service").port.name;
+    let base = [
+        format!("{}=1", kube_proxy::explain::gather::TIMINGS_ENV),
+        BIN.to_string(),
+        "explain".to_string(),
+        "--proxy-mode=ipvs".into(),
+        "--hostname-override=node-a".into(),
+        feed.daemon_arg(),
+    ];
+    let time = |program: &str, args: &[String], what: &str| -> (f64, usize) {
+        let (mut v, mut lines) = (Vec::new(), 0);
+        for _ in 0..reps {
+            let t = Instant::now();
+            let out = ns.exec(program, args).expect("explain runs");
+            v.push(t.elapsed());
+            let code = out.status.code().unwrap_or(-1);
+            assert!(
+                code == 0 || code == 1,
+                "{program} {args:?}: exit {code}\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            lines = String::from_utf8_lossy(&out.stdout).lines().count();
+            if v.len() == reps {
+                // Where the last run's time went.
+                for line in String::from_utf8_lossy(&out.stderr)
+                    .lines()
+                    .filter(|l| l.contains("timing"))
+                {
+                    progress(format!("  {line}"));
+                }
+            }
+        }
+        let m = median(&v);
+        progress(format!("{what}: median {m:.0} ms ({lines} lines)"));
+        (m, lines)
+    };
+    let mut one_args = base.to_vec();
+    one_args.push(format!("{}/{}", last.namespace, last.name));
+    let (one, _) = time("env", &one_args, "explain one Service");
+    let mut all_args = base.to_vec();
+    all_args.push("--all".into());
+    let (all, all_lines) = time("env", &all_args, "explain --all");
+    assert!(
+        all_lines >= state.service_ports.len(),
+        "--all gives a line per service port"
+    );
+    let (list, _) = time("ipvsadm", &["-Ln".to_string()], "ipvsadm -Ln");
+    ExplainTimes {
+        one,
+        all,
+        all_lines,
+        ipvsadm_list: list,
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

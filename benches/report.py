@@ -141,6 +141,16 @@ def ipvs_block(f):
         f" | {thousands(f['floor_ms'])} ms |",
         f"| one endpoint of a Service replaced, p50 / p99 of {f['changes']}"
         f" | {thousands(f['change_p50_ms'], 1)} ms / {thousands(f['change_p99_ms'], 1)} ms |",
+    ]
+    if "explain_all_ms" in f:
+        lines += [
+            f"| `kube-proxy explain` for one Service, the cluster from manifests (median of {f['reps']})"
+            f" | {thousands(f['explain_one_ms'])} ms |",
+            f"| `kube-proxy explain --all` ({thousands(f['explain_all_lines'])} lines), the cluster from"
+            f" manifests (median of {f['reps']}) | {thousands(f['explain_all_ms'])} ms |",
+            f"| `ipvsadm -Ln` of the same namespace, for comparison | {thousands(f['ipvsadm_list_ms'])} ms |",
+        ]
+    lines += [
         "",
         f"IPVS calls of the {f['changes']} changes, all asserted per change (the Service's virtual"
         " servers only): " + ", ".join(f"`{k}` {v}" for k, v in calls.items()) + "; nothing else.",

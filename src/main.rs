@@ -294,7 +294,14 @@ fn explain_cmd(cfg: &ProxyConfig, args: ExplainArgs, api: bool) -> ExitCode {
         }
     };
     let asked = target.as_ref().map(ToString::to_string);
+    let diagnosing = std::time::Instant::now();
     let diagnosis = diagnose::diagnose(&facts, asked.as_deref());
+    if std::env::var_os(gather::TIMINGS_ENV).is_some() {
+        eprintln!(
+            "explain timing: the diagnosis took {} ms",
+            diagnosing.elapsed().as_millis()
+        );
+    }
     match args.output {
         OutputArg::Json => println!("{}", report::json(&facts, &diagnosis)),
         OutputArg::Text if args.all => print!("{}", report::all_text(&facts, &diagnosis)),

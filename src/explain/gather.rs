@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use super::facts::{
     Connections, ConntrackFacts, DaemonFacts, Facts, HealthCheck, Leftover, PortFacts, count_connections,
 };
-use super::routes::{self, Route};
+use super::routes;
 use super::rules::DesiredRules;
 use super::view::{FamilyView, NodeView, PortView, ServiceRef, ServicesView, Topology, family_view};
 use crate::config::{ProxyConfig, ProxyMode};
@@ -45,6 +45,27 @@ pub enum GatherError {
     Api(String),
 }
 
+/// Set (to anything) to have explain write on stderr when each part of the gathering ended.
+pub const TIMINGS_ENV: &str = "KUBE_PROXY_EXPLAIN_TIMINGS";
+
+/// When each part of the gathering ended, for [`TIMINGS_ENV`]: the read-back runs beside
+/// the node's other facts, so the parts overlap.
+struct Timings {
+    started: Instant,
+    on: bool,
+}
+
+impl Timings {
+    fn mark(&self, part: &str) {
+        if self.on {
+            eprintln!(
+                "explain timing: {part} done at {} ms",
+                self.started.elapsed().as_millis()
+            );
+        }
+    }
+}
+
 /// How long the conntrack statistics are watched at least (drops rising, or not).
 const STATS_WINDOW: Duration = Duration::from_millis(200);
 const HTTP_TIMEOUT: Duration = Duration::from_secs(3);
@@ -54,9 +75,14 @@ const API_TIMEOUT: Duration = Duration::from_secs(30);
 /// Gathers every fact for `req` under the configuration `cfg`.
 pub fn gather(cfg: &ProxyConfig, req: &Request) -> Result<Facts, GatherError> {
     let started = Instant::now();
+    let timings = Timings {
+        started,
+        on: std::env::var_os(TIMINGS_ENV).is_some(),
+    };
     let mut ct = Netlink::new().ok();
     let before = ct.as_mut().and_then(|c| c.statistics().ok());
     let (daemon_facts, daemon_view) = ask_daemon(cfg, req);
+    timings.mark("asking the daemon");
     // The iptables backend in use on this node (the daemon's).
     let backend = crate::iptables::backend::in_use(&mut crate::iptables::backend::Host);
     let (desired_from, desired) = desired(cfg, req, daemon_view.as_ref(), backend)?;
@@ -64,15 +90,21 @@ pub fn gather(cfg: &ProxyConfig, req: &Request) -> Result<Facts, GatherError> {
     let mut mcfg = cfg.clone();
     mcfg.mode = mode;
     let node = desired.node.info();
+    timings.mark("the desired state");
     let mut ports = select_ports(&mcfg, req, &desired, &node);
+    timings.mark("the desired rules");
     let families = families_of(&ports);
     let mut conntrack = ConntrackFacts::default();
     let mut entries: Vec<Tracked> = Vec::new();
     // The read-back waits on the kernel (a whole-table save in --all: seconds at 10,000
     // Services) while the rest of the node's facts need no ports: gather both at once.
     let (routes, leftovers) = std::thread::scope(|s| {
-        s.spawn(|| read_back(&mcfg, backend, req, &mut ports));
+        s.spawn(|| {
+            read_back(&mcfg, backend, req, &mut ports);
+            timings.mark("reading the rules back");
+        });
         let routes = routes::dump_routes().unwrap_or_default();
+        timings.mark("the routes");
         match ct.as_mut() {
             Some(c) => {
                 conntrack.usage = c.usage().ok();
@@ -85,6 +117,7 @@ pub fn gather(cfg: &ProxyConfig, req: &Request) -> Result<Facts, GatherError> {
             }
             None => conntrack.error = Some("no ctnetlink socket (not root, or no conntrack module)".into()),
         }
+        timings.mark("conntrack");
         let leftovers: Vec<Leftover> = daemon::leftovers::OtherModes::scan(mode, backend)
             .describe()
             .into_iter()
@@ -93,14 +126,17 @@ pub fn gather(cfg: &ProxyConfig, req: &Request) -> Result<Facts, GatherError> {
                 what,
             })
             .collect();
+        timings.mark("other modes' leftovers");
         (routes, leftovers)
     });
     let by_dst = index_entries(&entries);
+    let routes = routes::RouteTable::new(&routes);
     for p in &mut ports {
         p.connections = connections_of(&by_dst, &p.port);
         p.routes = endpoint_routes(&routes, &p.port);
         p.health_check = health_check(&p.port);
     }
+    timings.mark("per-port connections, routes and health checks");
     let ipvs_kernel_error = (mode == ProxyMode::Ipvs)
         .then(|| {
             let scheduler = crate::ipvs::render::IpvsRenderOptions::from_config(&mcfg, IpFamily::V4, &node).scheduler;
@@ -112,6 +148,7 @@ pub fn gather(cfg: &ProxyConfig, req: &Request) -> Result<Facts, GatherError> {
     if let Some(rest) = STATS_WINDOW.checked_sub(started.elapsed()) {
         std::thread::sleep(rest);
     }
+    timings.mark("the conntrack statistics window");
     conntrack.before = before;
     conntrack.after = ct.as_mut().and_then(|c| c.statistics().ok());
     conntrack.window_ms = started.elapsed().as_millis() as u64;
@@ -426,10 +463,10 @@ fn connections_of(by_port: &HashMap<u16, Vec<&Tracked>>, port: &PortView) -> Con
     count_connections(&candidates, port)
 }
 
-fn endpoint_routes(table: &[Route], port: &PortView) -> Vec<routes::RouteCheck> {
+fn endpoint_routes(table: &routes::RouteTable<'_>, port: &PortView) -> Vec<routes::RouteCheck> {
     let mut ips: Vec<IpAddr> = port.endpoints.iter().map(|e| e.ip).collect();
     ips.dedup();
-    ips.into_iter().map(|ip| routes::check(table, ip)).collect()
+    ips.into_iter().map(|ip| table.check(ip)).collect()
 }
 
 /// `GET /` on the port's health-check node port, on loopback (its server listens on every

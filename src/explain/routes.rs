@@ -4,6 +4,7 @@
 //! rules do (table `local`, then `main`, then `default`; longest prefix, lowest metric first).
 //! Policy rules beyond the default ones are not followed.
 
+use std::collections::HashMap;
 use std::io;
 use std::net::IpAddr;
 
@@ -76,36 +77,72 @@ pub struct RouteCheck {
     pub route: Option<String>,
 }
 
-/// The route the kernel would use toward `ip`.
-pub fn lookup(routes: &[Route], ip: IpAddr) -> Option<&Route> {
-    TABLES_IN_ORDER.iter().find_map(|table| {
-        routes
-            .iter()
-            .filter(|r| r.table == *table && r.dst.contains(&ip))
-            .max_by(|a, b| {
-                a.dst
-                    .prefix_len()
-                    .cmp(&b.dst.prefix_len())
-                    .then(b.metric.cmp(&a.metric))
+/// The routes indexed for lookups: by table and destination network (the lowest metric of
+/// each), with the prefix lengths each table has, longest first. An IPVS node holds a local
+/// route per Service address (10,000 and more): a scan per endpoint would be quadratic.
+pub struct RouteTable<'a> {
+    by_network: HashMap<(u32, IpNet), &'a Route>,
+    /// Per table and family (IPv4 first), the prefix lengths present, longest first.
+    lengths: HashMap<(u32, bool), Vec<u8>>,
+}
+
+impl<'a> RouteTable<'a> {
+    pub fn new(routes: &'a [Route]) -> RouteTable<'a> {
+        let mut by_network: HashMap<(u32, IpNet), &Route> = HashMap::new();
+        let mut lengths: HashMap<(u32, bool), Vec<u8>> = HashMap::new();
+        for r in routes {
+            let best = by_network.entry((r.table, r.dst.trunc())).or_insert(r);
+            if r.metric < best.metric {
+                *best = r;
+            }
+            let l = lengths.entry((r.table, r.dst.addr().is_ipv4())).or_default();
+            if !l.contains(&r.dst.prefix_len()) {
+                l.push(r.dst.prefix_len());
+            }
+        }
+        for l in lengths.values_mut() {
+            l.sort_unstable_by(|a, b| b.cmp(a));
+        }
+        RouteTable { by_network, lengths }
+    }
+
+    /// The route the kernel would use toward `ip`.
+    pub fn lookup(&self, ip: IpAddr) -> Option<&'a Route> {
+        TABLES_IN_ORDER.iter().find_map(|table| {
+            self.lengths.get(&(*table, ip.is_ipv4()))?.iter().find_map(|len| {
+                let net = IpNet::new(ip, *len).ok()?.trunc();
+                self.by_network.get(&(*table, net)).copied()
             })
-    })
+        })
+    }
+
+    /// The check of `ip`.
+    pub fn check(&self, ip: IpAddr) -> RouteCheck {
+        let found = self.lookup(ip);
+        let verdict = match found {
+            None => "none",
+            Some(r) if matches!(r.kind, RTN_BLACKHOLE | RTN_UNREACHABLE | RTN_PROHIBIT) => "none",
+            Some(r) if r.kind == RTN_LOCAL => "local",
+            Some(r) if r.dst.prefix_len() == 0 => "default",
+            Some(_) => "route",
+        };
+        RouteCheck {
+            ip,
+            verdict: verdict.into(),
+            route: found.map(Route::describe),
+        }
+    }
+}
+
+/// The route the kernel would use toward `ip` (for one lookup; index with [`RouteTable`] for
+/// many).
+pub fn lookup(routes: &[Route], ip: IpAddr) -> Option<&Route> {
+    RouteTable::new(routes).lookup(ip)
 }
 
 /// The check of `ip` against `routes`.
 pub fn check(routes: &[Route], ip: IpAddr) -> RouteCheck {
-    let found = lookup(routes, ip);
-    let verdict = match found {
-        None => "none",
-        Some(r) if matches!(r.kind, RTN_BLACKHOLE | RTN_UNREACHABLE | RTN_PROHIBIT) => "none",
-        Some(r) if r.kind == RTN_LOCAL => "local",
-        Some(r) if r.dst.prefix_len() == 0 => "default",
-        Some(_) => "route",
-    };
-    RouteCheck {
-        ip,
-        verdict: verdict.into(),
-        route: found.map(Route::describe),
-    }
+    RouteTable::new(routes).check(ip)
 }
 
 /// One `RTM_NEWROUTE` message (whole, header included) as a [`Route`]; `None` for families

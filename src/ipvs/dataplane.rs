@@ -4,6 +4,7 @@
 //! changes sends only the differences from the last one. The daemon syncs every sync period
 //! (the NodePort virtual servers follow the interface addresses).
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -21,7 +22,7 @@ use crate::config::ProxyMode;
 use crate::iptables::exec::Iptables;
 // The same period as iptables mode's full syncs (upstream's `FullSyncPeriod`).
 use crate::iptables::proxier::FULL_SYNC_PERIOD;
-use crate::model::{IpFamily, ProxyState, ServicePort, ServicePortName};
+use crate::model::{IpFamily, Protocol, ProxyState, ServicePort, ServicePortName};
 use crate::proxy::{Programmed, ProgrammedSection, Proxier, ReadBackError, SyncContext, SyncError, SyncReport};
 
 impl<V: Ipvs + Send, I: Iptables, H: IpvsHost + Send> Proxier for IpvsProxier<V, I, H> {
@@ -74,33 +75,52 @@ impl<V: Ipvs + Send, I: Iptables, H: IpvsHost + Send> Proxier for IpvsProxier<V,
     }
 
     fn read_back(&mut self, port: &ServicePort) -> Result<Programmed, ReadBackError> {
-        let err = |e: String| ReadBackError {
-            what: port.name.to_string(),
-            message: e,
-        };
+        Ok(self.read_back_all(&[port])?.remove(0))
+    }
+
+    /// One listing of the virtual servers for all `ports`, then the real servers of each
+    /// port's own (a listing per port would be quadratic: 10,000 ports × 11,000 servers).
+    fn read_back_all(&mut self, ports: &[&ServicePort]) -> Result<Vec<Programmed>, ReadBackError> {
         let ipvs = self.ipvs();
-        let services = ipvs.services().map_err(|e| err(e.to_string()))?;
-        let addresses: Vec<_> = std::iter::once(port.cluster_ip)
-            .chain(port.external_ips.iter().copied())
-            .chain(port.load_balancer_vips.iter().copied())
-            .collect();
-        let mut sections = Vec::new();
-        for vs in services
-            .iter()
-            .filter(|vs| vs.fwmark.is_none() && vs.protocol == port.protocol)
-        {
-            let service_address = addresses.contains(&vs.address) && vs.port == port.port;
-            let node_port = port.node_port != 0 && vs.port == port.node_port;
-            if !(service_address || node_port) {
-                continue;
-            }
-            let dests = ipvs.dests(vs).map_err(|e| err(e.to_string()))?;
-            sections.push(ProgrammedSection {
-                place: virtual_server_line(vs),
-                lines: dests.iter().map(real_server_line).collect(),
-            });
+        let services = ipvs.services().map_err(|e| ReadBackError {
+            what: "the IPVS virtual servers".into(),
+            message: e.to_string(),
+        })?;
+        // Indices into `services`, by protocol and port.
+        let mut by_port: HashMap<(Protocol, u16), Vec<usize>> = HashMap::new();
+        for (i, vs) in services.iter().enumerate().filter(|(_, vs)| vs.fwmark.is_none()) {
+            by_port.entry((vs.protocol, vs.port)).or_default().push(i);
         }
-        Ok(Programmed { sections })
+        let mut out = Vec::with_capacity(ports.len());
+        for port in ports {
+            let addresses: Vec<_> = std::iter::once(port.cluster_ip)
+                .chain(port.external_ips.iter().copied())
+                .chain(port.load_balancer_vips.iter().copied())
+                .collect();
+            let at = |p: u16| by_port.get(&(port.protocol, p)).into_iter().flatten().copied();
+            let mut mine: Vec<usize> = at(port.port)
+                .filter(|i| addresses.contains(&services[*i].address))
+                .collect();
+            if port.node_port != 0 {
+                mine.extend(at(port.node_port));
+            }
+            // In the kernel's order, once each (a NodePort equal to the port is both).
+            mine.sort_unstable();
+            mine.dedup();
+            let mut sections = Vec::new();
+            for vs in mine.into_iter().map(|i| &services[i]) {
+                let dests = ipvs.dests(vs).map_err(|e| ReadBackError {
+                    what: port.name.to_string(),
+                    message: e.to_string(),
+                })?;
+                sections.push(ProgrammedSection {
+                    place: virtual_server_line(vs),
+                    lines: dests.iter().map(real_server_line).collect(),
+                });
+            }
+            out.push(Programmed { sections });
+        }
+        Ok(out)
     }
 }
 

@@ -1359,6 +1359,38 @@ mod tests {
     }
 
     #[test]
+    fn read_back_of_every_port_lists_the_virtual_servers_once() {
+        use crate::proxy::Proxier;
+        let mut p = proxier();
+        let mut web = port("web", "10.96.0.10", Protocol::Tcp, &["10.244.1.2", "10.244.1.3"]);
+        web.port.node_port = 30080;
+        let dns = port("dns", "10.96.0.11", Protocol::Udp, &["10.244.2.2"]);
+        let empty = port("empty", "10.96.0.12", Protocol::Tcp, &[]);
+        let st = state(vec![web.clone(), dns.clone(), empty.clone()]);
+        p.sync(&st).expect("sync");
+        p.ipvs.take_calls();
+        let ports = [&web.port, &dns.port, &empty.port];
+        let read = p.read_back_all(&ports).expect("read back");
+        let calls = p.ipvs.take_calls();
+        assert_eq!(
+            calls.iter().filter(|c| matches!(c, Call::Services)).count(),
+            1,
+            "{calls:?}"
+        );
+        let places = |i: usize| -> Vec<&str> { read[i].sections.iter().map(|s| s.place.as_str()).collect() };
+        assert_eq!(places(0), vec!["TCP  10.96.0.10:80 rr", "TCP  192.168.49.2:30080 rr"]);
+        assert_eq!(read[0].sections[0].lines.len(), 2, "both real servers");
+        assert_eq!(places(1), vec!["UDP  10.96.0.11:80 rr"]);
+        assert!(
+            read[2].sections.iter().all(|s| s.lines.is_empty()),
+            "no real servers: {:?}",
+            read[2]
+        );
+        // One port alone reads the same as in the whole read.
+        assert_eq!(p.read_back(&web.port).expect("read back"), read[0]);
+    }
+
+    #[test]
     fn node_port_virtual_servers_follow_the_interface_addresses() {
         let mut p = proxier();
         let mut sp = port("web", "10.96.0.10", Protocol::Tcp, &["10.244.1.2"]);
