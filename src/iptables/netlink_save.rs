@@ -165,12 +165,29 @@ pub fn rule_line(msg: &[u8], family: IpFamily) -> Result<SavedRule, Undecodable>
         let data = e.nested(NFTA_EXPR_DATA).ok().flatten().unwrap_or_default();
         expression(&name, &data, family, &mut regs, &mut parts).map_err(|reason| bad(&chain, reason))?;
     }
+    // A comment kept in the rule's userdata (not as `-m comment`) would be lost here: the tool
+    // prints such a rule, this reader does not.
+    if udata_has_comment(a.get(NFTA_RULE_USERDATA)) {
+        return Err(bad(&chain, "a comment in the rule's userdata".into()));
+    }
     let line = print(&chain, &parts, family);
     Ok(SavedRule {
         chain,
         line,
         target: parts.jump,
     })
+}
+
+/// Whether libnftnl userdata TLVs hold a rule comment (`NFTNL_UDATA_RULE_COMMENT`).
+fn udata_has_comment(data: Option<&[u8]>) -> bool {
+    let mut rest = data.unwrap_or_default();
+    while let [t, len, tail @ ..] = rest {
+        if *t == UDATA_RULE_COMMENT {
+            return true;
+        }
+        rest = tail.get(usize::from(*len)..).unwrap_or_default();
+    }
+    false
 }
 
 fn be32(a: &Attrs<'_>, ty: u16) -> Option<u32> {
@@ -1294,6 +1311,15 @@ mod tests {
         assert!(e.reason.contains("multiport"), "{e}");
         let msg = rule_msg("KUBE-SVC-X", &[("lookup", &|b| b.put_str(1, "set"))]);
         assert!(rule_line(&msg, IpFamily::V4).is_err());
+        // A comment in the rule's userdata: the tool would print it, so this reader refuses.
+        let mut msg = rule_msg("KUBE-SVC-X", &[]);
+        let mut b = MsgBuf::default();
+        b.put(NFTA_RULE_USERDATA, &[UDATA_RULE_COMMENT, 2, b'h', b'i']);
+        let len = u32::from_ne_bytes(msg[..4].try_into().expect("length")) as usize + b.buf.len();
+        msg.extend_from_slice(&b.buf);
+        msg[..4].copy_from_slice(&(len as u32).to_ne_bytes());
+        let e = rule_line(&msg, IpFamily::V4).expect_err("a userdata comment");
+        assert!(e.reason.contains("userdata"), "{e}");
     }
 
     #[test]
