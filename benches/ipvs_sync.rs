@@ -14,8 +14,7 @@
 //! - **endpoint changes**, `CHANGES` of them on the last namespace: one Service replaces one of
 //!   its endpoints (a rolling update), one `sync` each, timed, with every IPVS netlink call
 //!   recorded. Each change must send exactly one real server added and one deleted, list
-//!   only that virtual server's real servers, and nothing else: the benchmark fails otherwise.
-//!
+//!   only that virtual server's real servers, and nothing else: the benchmark fails otherwise;
 //! - **explain**: `kube-proxy explain` for the last Service and `--all` on the last namespace,
 //!   the cluster read from manifests (`--manifests`: the VM runs no daemon), `REPS` runs each,
 //!   beside `ipvsadm -Ln` of the same namespace.
@@ -479,7 +478,7 @@ fn explain_times(ns: &Netns, state: &ProxyState, reps: usize) -> ExplainTimes {
         let (mut v, mut lines) = (Vec::new(), 0);
         for _ in 0..reps {
             let t = Instant::now();
-            let out = ns.exec(program, args).expect("explain runs");
+            let out = ns.exec(program, args).expect("the command runs");
             v.push(t.elapsed());
             let code = out.status.code().unwrap_or(-1);
             assert!(

@@ -95,9 +95,10 @@ pub trait Iptables: Send {
         false
     }
     /// `table` as `iptables-save -c` writes it, read over nf_tables netlink a chain at a time
-    /// ([`super::netlink_save`]: at 110,000 chains about a tenth of the tool's time); None
-    /// where that cannot be done (iptables-legacy, a rule of a shape it does not print), and
-    /// the caller saves with the tool.
+    /// ([`super::netlink_save`]; at 10,000 Services × 10 endpoints the nat table in about a
+    /// third of the tool's time, the filter table in 1 ms instead of 2 s); None where that
+    /// cannot be done (iptables-legacy, a rule of a shape it does not print), and the caller
+    /// saves with the tool.
     fn save_over_netlink(&mut self, _table: &str) -> Option<String> {
         None
     }
