@@ -23,8 +23,9 @@ use std::sync::Mutex;
 use netlink_sys::Socket;
 
 use crate::model::IpFamily;
-use crate::netlink::{self, Attrs, MsgBuf, NLM_F_DUMP, NLM_F_REQUEST, NLMSG_HDRLEN};
+use crate::netlink::{self, Attrs, MsgBuf, NLM_F_DUMP, NLM_F_REQUEST, NLMSG_HDRLEN, read_u16, read_u32};
 use crate::nftables::netlink::wire::*;
+use crate::nftables::netlink::{nfproto, udata_get};
 
 // Attributes and constants not in `wire` (linux/netfilter/nf_tables.h, nf_tables_compat.h).
 const NFTA_TABLE_USE: u16 = 3;
@@ -167,7 +168,7 @@ pub fn rule_line(msg: &[u8], family: IpFamily) -> Result<SavedRule, Undecodable>
     }
     // A comment kept in the rule's userdata (not as `-m comment`) would be lost here: the tool
     // prints such a rule, this reader does not.
-    if udata_has_comment(a.get(NFTA_RULE_USERDATA)) {
+    if udata_get(a.get(NFTA_RULE_USERDATA), UDATA_RULE_COMMENT).is_some() {
         return Err(bad(&chain, "a comment in the rule's userdata".into()));
     }
     let line = print(&chain, &parts, family);
@@ -176,18 +177,6 @@ pub fn rule_line(msg: &[u8], family: IpFamily) -> Result<SavedRule, Undecodable>
         line,
         target: parts.jump,
     })
-}
-
-/// Whether libnftnl userdata TLVs hold a rule comment (`NFTNL_UDATA_RULE_COMMENT`).
-fn udata_has_comment(data: Option<&[u8]>) -> bool {
-    let mut rest = data.unwrap_or_default();
-    while let [t, len, tail @ ..] = rest {
-        if *t == UDATA_RULE_COMMENT {
-            return true;
-        }
-        rest = tail.get(usize::from(*len)..).unwrap_or_default();
-    }
-    false
 }
 
 fn be32(a: &Attrs<'_>, ty: u16) -> Option<u32> {
@@ -565,16 +554,8 @@ fn c_string(b: &[u8]) -> String {
     String::from_utf8_lossy(&b[..end]).into_owned()
 }
 
-fn u16_at(b: &[u8], at: usize) -> Option<u16> {
-    Some(u16::from_ne_bytes(b.get(at..at + 2)?.try_into().ok()?))
-}
-
 fn be16_at(b: &[u8], at: usize) -> Option<u16> {
     Some(u16::from_be_bytes(b.get(at..at + 2)?.try_into().ok()?))
-}
-
-fn u32_at(b: &[u8], at: usize) -> Option<u32> {
-    Some(u32::from_ne_bytes(b.get(at..at + 4)?.try_into().ok()?))
 }
 
 /// The address of `family` at `at` in a `union nf_inet_addr`.
@@ -598,7 +579,7 @@ fn xt_match(name: &str, rev: u32, info: &[u8], family: IpFamily) -> Option<Strin
         ("comment", 0) => Some(format!(" --comment{}", save_string(&c_string(info)))),
         // struct xt_statistic_info { u16 mode, flags; union { u32 probability; … } }
         ("statistic", 0) => {
-            let (mode, flags, p) = (u16_at(info, 0)?, u16_at(info, 2)?, u32_at(info, 4)?);
+            let (mode, flags, p) = (read_u16(info, 0)?, read_u16(info, 2)?, read_u32(info, 4)?);
             if mode != 0 {
                 return None;
             }
@@ -611,7 +592,7 @@ fn xt_match(name: &str, rev: u32, info: &[u8], family: IpFamily) -> Option<Strin
         // struct xt_recent_mtinfo_v1 { u32 seconds, hit_count; u8 check_set, invert;
         // char name[200]; u8 side; union nf_inet_addr mask; }
         ("recent", 1) => {
-            let (seconds, hits) = (u32_at(info, 0)?, u32_at(info, 4)?);
+            let (seconds, hits) = (read_u32(info, 0)?, read_u32(info, 4)?);
             let (check, invert) = (*info.get(8)?, *info.get(9)?);
             let rname = c_string(info.get(10..210)?);
             let side = *info.get(210)?;
@@ -647,7 +628,7 @@ fn xt_match(name: &str, rev: u32, info: &[u8], family: IpFamily) -> Option<Strin
         }
         // struct xt_addrtype_info_v1 { u16 source, dest; u32 flags; }
         ("addrtype", 1) => {
-            let (src, dst, flags) = (u16_at(info, 0)?, u16_at(info, 2)?, u32_at(info, 4)?);
+            let (src, dst, flags) = (read_u16(info, 0)?, read_u16(info, 2)?, read_u32(info, 4)?);
             let types = |mask: u16| {
                 ADDRTYPES
                     .iter()
@@ -677,7 +658,7 @@ fn xt_match(name: &str, rev: u32, info: &[u8], family: IpFamily) -> Option<Strin
         // struct xt_conntrack_mtinfo3: 8 addresses (128 bytes), u32 expires_min, max; u16
         // l4proto; 4 × be16 ports; u16 match_flags, invert_flags, state_mask, status_mask; …
         ("conntrack", 3) => {
-            let (flags, invert, states) = (u16_at(info, 146)?, u16_at(info, 148)?, u16_at(info, 150)?);
+            let (flags, invert, states) = (read_u16(info, 146)?, read_u16(info, 148)?, read_u16(info, 150)?);
             // Only --ctstate: other options print text this reader does not produce.
             if flags != 1 {
                 return None;
@@ -698,7 +679,12 @@ fn xt_match(name: &str, rev: u32, info: &[u8], family: IpFamily) -> Option<Strin
         // struct xt_tcp { u16 spts[2], dpts[2]; u8 option, flg_mask, flg_cmp, invflags; }
         // struct xt_udp { u16 spts[2], dpts[2]; u8 invflags; }
         ("tcp" | "udp", 0) => {
-            let (s0, s1, d0, d1) = (u16_at(info, 0)?, u16_at(info, 2)?, u16_at(info, 4)?, u16_at(info, 6)?);
+            let (s0, s1, d0, d1) = (
+                read_u16(info, 0)?,
+                read_u16(info, 2)?,
+                read_u16(info, 4)?,
+                read_u16(info, 6)?,
+            );
             let inv = if name == "tcp" {
                 if info.get(8..11)?.iter().any(|b| *b != 0) {
                     return None;
@@ -719,8 +705,13 @@ fn xt_match(name: &str, rev: u32, info: &[u8], family: IpFamily) -> Option<Strin
         // struct xt_sctp_info { u16 dpts[2], spts[2]; u32 chunkmap[64], chunk_match_type;
         // flag_info[4] (12 bytes); int flag_count; u32 flags, invflags; }
         ("sctp", 0) => {
-            let (d0, d1, s0, s1) = (u16_at(info, 0)?, u16_at(info, 2)?, u16_at(info, 4)?, u16_at(info, 6)?);
-            let (flags, inv) = (u32_at(info, 284)?, u32_at(info, 288)?);
+            let (d0, d1, s0, s1) = (
+                read_u16(info, 0)?,
+                read_u16(info, 2)?,
+                read_u16(info, 4)?,
+                read_u16(info, 6)?,
+            );
+            let (flags, inv) = (read_u32(info, 284)?, read_u32(info, 288)?);
             if flags & !3 != 0 {
                 return None;
             }
@@ -735,7 +726,7 @@ fn xt_match(name: &str, rev: u32, info: &[u8], family: IpFamily) -> Option<Strin
         }
         // struct xt_mark_mtinfo1 { u32 mark, mask; u8 invert; }
         ("mark", 1) => {
-            let (mark, mask, invert) = (u32_at(info, 0)?, u32_at(info, 4)?, *info.get(8)?);
+            let (mark, mask, invert) = (read_u32(info, 0)?, read_u32(info, 4)?, *info.get(8)?);
             let not = if invert != 0 { " !" } else { "" };
             let mask = if mask == u32::MAX {
                 String::new()
@@ -774,7 +765,7 @@ fn xt_target(name: &str, rev: u32, info: &[u8], family: IpFamily) -> Option<Stri
         // struct nf_nat_range(2) { u32 flags; nf_inet_addr min_addr, max_addr; be16 min_proto,
         // max_proto; … }
         ("DNAT", 1 | 2) => {
-            let flags = u32_at(info, 0)?;
+            let flags = read_u32(info, 0)?;
             if flags & !(MAP_IPS | PROTO_SPECIFIED | RANDOM | PERSISTENT | RANDOM_FULLY) != 0 || flags & MAP_IPS == 0 {
                 return None;
             }
@@ -805,15 +796,15 @@ fn xt_target(name: &str, rev: u32, info: &[u8], family: IpFamily) -> Option<Stri
         // struct xt_mark_tginfo2 { u32 mark, mask; }
         ("MARK", 2) => Some(format!(
             " --set-xmark 0x{:x}/0x{:x}",
-            u32_at(info, 0)?,
-            u32_at(info, 4)?
+            read_u32(info, 0)?,
+            read_u32(info, 4)?
         )),
         // IPv4: struct nf_nat_ipv4_multi_range_compat { u32 rangesize; { u32 flags; be32
         // min_ip, max_ip; be16 min, max; } }; IPv6: struct nf_nat_range.
         ("MASQUERADE", 0) => {
             let (flags, ports_at) = match family {
-                IpFamily::V4 => (u32_at(info, 4)?, 16),
-                IpFamily::V6 => (u32_at(info, 0)?, 36),
+                IpFamily::V4 => (read_u32(info, 4)?, 16),
+                IpFamily::V6 => (read_u32(info, 0)?, 36),
             };
             let mut s = String::new();
             if flags & PROTO_SPECIFIED != 0 {
@@ -828,7 +819,7 @@ fn xt_target(name: &str, rev: u32, info: &[u8], family: IpFamily) -> Option<Stri
         }
         // struct ipt_reject_info / ip6t_reject_info { u32 with; }
         ("REJECT", 0) => {
-            let with = u32_at(info, 0)?;
+            let with = read_u32(info, 0)?;
             let names: &[&str] = match family {
                 IpFamily::V4 => &[
                     "icmp-net-unreachable", "icmp-host-unreachable", "icmp-proto-unreachable", "icmp-port-unreachable",
@@ -907,11 +898,7 @@ impl NetlinkSave {
             NLM_F_REQUEST
         };
         let mut b = MsgBuf::default();
-        let family = match self.family {
-            IpFamily::V4 => NFPROTO_IPV4,
-            IpFamily::V6 => NFPROTO_IPV6,
-        };
-        let m = b.begin_msg(nft_type(msg), flags, self.seq, &nfgenmsg(family, 0));
+        let m = b.begin_msg(nft_type(msg), flags, self.seq, &nfgenmsg(nfproto(self.family), 0));
         put(&mut b);
         b.end_msg(m);
         (self.seq, b.buf)

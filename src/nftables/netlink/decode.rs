@@ -81,7 +81,7 @@ fn string(a: &Attrs<'_>, ty: u16) -> Option<String> {
 }
 
 /// The value of type `ty` in libnftnl userdata TLVs.
-fn udata_get(data: Option<&[u8]>, ty: u8) -> Option<&[u8]> {
+pub fn udata_get(data: Option<&[u8]>, ty: u8) -> Option<&[u8]> {
     let mut rest = data?;
     while let [t, len, tail @ ..] = rest {
         let len = usize::from(*len);

@@ -27,8 +27,9 @@ pub(crate) mod wire;
 #[cfg(test)]
 mod fixtures;
 
+pub use decode::udata_get;
 pub use encode::{
-    AnonSetNames, BatchEncoder, CheckError, EncodedBatch, MAX_COMMENT, check, encode, encode_with, key_bytes,
+    AnonSetNames, BatchEncoder, CheckError, EncodedBatch, MAX_COMMENT, check, encode, encode_with, key_bytes, nfproto,
     set_signature, with_process_names,
 };
 pub use socket::{NetlinkError, NftSocket, OpFailure, ReadScope, Reply, parse_replies};
